@@ -1,0 +1,1 @@
+"""Checkpoint-based migration with megatron-core dist_checkpointing (baseline + fallback)."""

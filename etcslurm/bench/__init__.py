@@ -1,0 +1,1 @@
+"""Benchmarks: the ``etcslurm bench migrate`` driver, its workers and the local launcher."""

@@ -1,0 +1,230 @@
+"""The ``etcslurm bench migrate`` driver: validate, launch the workers, summarise.
+
+The driver itself imports no megatron: it checks the request (one-line errors), starts
+``old devices + joiners`` local processes (gloo) running
+:func:`etcslurm.bench.migrate_worker.migrate`, and turns their JSON results into the
+report fields the issue lists (``p2p_seconds``, ``checkpoint_seconds``, ``speedup``, ...).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.models import GPTSpec
+from etcslurm.errors import UsageError
+
+#: megatron adapter pads the vocabulary for TP up to 8; the bench pads the spec the same
+#: way so every layout (TP 1, 2, 4, 8) has the same global embedding shape
+VOCAB_TP_MULTIPLE = 8
+#: losses after a TP change differ from a never-migrated run by the reduction order only
+REFERENCE_TOLERANCE = 1e-4
+
+
+@dataclass
+class MigrateRequest:
+    """What to benchmark (the CLI's arguments, validated)."""
+
+    model: str = "gpt-125m"
+    source: str = "tp2pp2dp2"
+    target: str = "tp1pp2dp3"
+    leave: list[int] = field(default_factory=list)
+    join: int = 0
+    optimizer: str = "adam"
+    repeat: int = 3
+    ckpt_dir: str | None = None
+    steps_before: int = 2
+    steps_after: int = 2
+    seq: int | None = None
+    global_batch: int | None = None
+    staging_mb: int = 256
+    reference: bool = False
+    verify_global: bool = True
+    measure_bandwidth: bool = True
+    #: False: P2P only; the comparison model is filled from the pre-migration dump
+    checkpoint: bool = True
+    timeout: float = 600.0
+    seed: int = 1234
+
+    def spec(self) -> GPTSpec:
+        spec = GPTSpec.parse(self.model)
+        changes: dict[str, Any] = {"vocab": spec.padded_vocab(VOCAB_TP_MULTIPLE)}
+        if self.seq is not None:
+            changes["seq"] = self.seq
+        return replace(spec, **changes)
+
+    def validate(self) -> tuple[GPTSpec, ParallelConfig, ParallelConfig]:
+        spec = self.spec()
+        old, new = ParallelConfig.parse(self.source), ParallelConfig.parse(self.target)
+        old.validate(spec)
+        new.validate(spec)
+        for cfg in (old, new):
+            if VOCAB_TP_MULTIPLE % cfg.tp:
+                raise UsageError(f"{cfg}: tp must divide {VOCAB_TP_MULTIPLE} (1, 2, 4 or 8)")
+        if self.optimizer not in ("adam", "distributed"):
+            raise UsageError(f"unknown optimizer {self.optimizer!r}; use adam or distributed")
+        bad = [r for r in self.leave if not 0 <= r < old.world_size]
+        if bad:
+            raise UsageError(f"--leave {bad[0]}: old ranks are 0-{old.world_size - 1}")
+        if self.join < 0:
+            raise UsageError("--join must be 0 or more")
+        available = old.world_size - len(set(self.leave)) + self.join
+        if new.world_size > available:
+            raise UsageError(
+                f"{new} needs {new.world_size} devices; {old} has {old.world_size}, "
+                f"{len(set(self.leave))} leave and {self.join} join: {available} remain"
+            )
+        if self.repeat < 1 or self.steps_before < 0 or self.steps_after < 0:
+            raise UsageError("--repeat must be at least 1 and step counts not negative")
+        if self.staging_mb < 1:
+            raise UsageError("--staging-mb must be at least 1")
+        if self.global_batch is not None and (
+            self.global_batch % old.dp or self.global_batch % new.dp
+        ):
+            raise UsageError(
+                f"--global-batch {self.global_batch} must be a multiple of dp={old.dp} and dp={new.dp}"
+            )
+        return spec, old, new
+
+    def worker_config(self, work_dir: Path, ckpt_dir: Path) -> dict[str, Any]:
+        spec, old, new = self.validate()
+        staging = self.staging_mb << 20
+        return {
+            "spec": spec.to_json(),
+            "from": str(old),
+            "to": str(new),
+            "leave": sorted(set(self.leave)),
+            "join": self.join,
+            "optimizer": self.optimizer,
+            "repeat": self.repeat,
+            "seed": self.seed,
+            "steps_before": self.steps_before,
+            "steps_after": self.steps_after,
+            "global_batch": self.global_batch or math.lcm(old.dp, new.dp),
+            # a device sends one and receives one message per round: half the cap each,
+            # less the checksum word and alignment of each buffer
+            "staging_bytes": staging,
+            "plan_staging_bytes": max(1, staging // 2 - 4096),
+            "reference": self.reference,
+            "verify_global": self.verify_global,
+            "measure_bandwidth": self.measure_bandwidth,
+            "checkpoint": self.checkpoint,
+            "timeout": self.timeout,
+            "work_dir": str(work_dir),
+            "ckpt_dir": str(ckpt_dir),
+        }
+
+
+def run(request: MigrateRequest, poll: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """Launch the benchmark and return its summary (see :func:`summarise`)."""
+    from etcslurm.bench.launch import launch
+
+    spec, old, _new = request.validate()
+    nprocs = old.world_size + request.join
+    work = Path(tempfile.mkdtemp(prefix="etcslurm-bench-"))
+    ckpt = Path(request.ckpt_dir) / f"bench-{work.name}" if request.ckpt_dir else work / "ckpt"
+    try:
+        config = request.worker_config(work, ckpt)
+        results = launch("etcslurm.bench.migrate_worker:migrate", nprocs, config,
+                         timeout=request.timeout * 4, poll=poll)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if request.ckpt_dir:
+            shutil.rmtree(ckpt, ignore_errors=True)
+    return summarise(request, spec, results)
+
+
+def _med(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report: the issue's JSON fields plus the details behind them."""
+    first = results[0]
+    new = [r for r in results if r.get("role") == "new"]
+    stats = first["plan_stats"]
+    exchange = _med(first["exchange_seconds"])
+    restore = max(r["restore_seconds"] for r in new)
+    plan_s = float(stats.get("plan_seconds", 0.0))
+    p2p = plan_s + exchange + restore
+    save = _med(first["checkpoint_save_seconds"])
+    load = _med(new[0]["checkpoint_load_seconds"])
+    ckpt = save + load
+    transfers = [r["transfer"] for r in results if r.get("transfer")]
+    peak = max(t["peak_staging_bytes"] for t in transfers)
+    max_recv = max(t["bytes_received"] for t in transfers)
+    loss_match = all(r["losses_p2p"] == r["losses_checkpoint"] for r in new)
+    bit_exact = all(
+        r["p2p_equals_checkpoint"] is not False and r.get("p2p_equals_pre_migration", True) for r in new
+    )
+    out: dict[str, Any] = {
+        "model": request.model,
+        "params": spec.num_params(1),
+        "from": request.source,
+        "to": request.target,
+        "leave": sorted(set(request.leave)),
+        "join": request.join,
+        "optimizer": request.optimizer,
+        "processes": len(results),
+        "repeat": request.repeat,
+        "p2p_seconds": p2p,
+        "p2p_plan_seconds": plan_s,
+        "p2p_exchange_seconds": exchange,
+        "p2p_restore_seconds": restore,
+        "p2p_exchange_all": first["exchange_seconds"],
+        "checkpoint_seconds": ckpt,
+        "checkpoint_save_seconds": save,
+        "checkpoint_load_seconds": load,
+        "checkpoint_save_all": first["checkpoint_save_seconds"],
+        "checkpoint_load_all": new[0]["checkpoint_load_seconds"],
+        "checkpoint_startup_seconds": first["checkpoint_startup_seconds"],
+        "speedup": ckpt / p2p if p2p > 0 else float("inf"),
+        "state_bytes": stats["state_bytes"],
+        "moved_bytes": stats["moved_bytes"],
+        "local_bytes": stats.get("local_bytes"),
+        "lower_bound_moved_bytes": stats.get("lower_bound_moved_bytes"),
+        "messages": stats.get("messages"),
+        "rounds": stats.get("rounds"),
+        "p2p_gbps": stats["moved_bytes"] / exchange / 1e9 if exchange > 0 else 0.0,
+        "peak_staging_bytes": peak,
+        "staging_cap_bytes": request.staging_mb << 20,
+        "max_recv_bytes": max_recv,
+        "bit_exact": bit_exact,
+        "steps_after": request.steps_after,
+        "loss_match": loss_match,
+        "losses_p2p": new[0]["losses_p2p"],
+        "losses_checkpoint": new[0]["losses_checkpoint"],
+        "losses_before": first.get("losses_before", []),
+    }
+    bw = first.get("pair_bandwidth")
+    if bw:
+        bound = max_recv / (bw["bytes"] / bw["seconds"])
+        out["pair_gbps"] = bw["gbps"]
+        out["bound_seconds"] = bound
+        out["exchange_vs_bound"] = exchange / bound if bound > 0 else None
+    if request.reference:
+        ref = new[0].get("losses_reference", [])
+        diff = max((abs(a - b) for a, b in zip(ref, new[0]["losses_p2p"], strict=False)),
+                   default=0.0)
+        out["losses_reference"] = ref
+        out["reference_max_abs_diff"] = diff
+        out["reference_match"] = diff <= REFERENCE_TOLERANCE
+    problems = [
+        f"{r['device']}: {r['mismatch_p2p_vs_checkpoint'] or r.get('mismatch_p2p_vs_pre_migration')}"
+        for r in new
+        if r.get("mismatch_p2p_vs_checkpoint") or r.get("mismatch_p2p_vs_pre_migration")
+    ]
+    if problems:
+        out["mismatches"] = problems
+    return out
+
+
+def request_json(request: MigrateRequest) -> dict[str, Any]:
+    return asdict(request)

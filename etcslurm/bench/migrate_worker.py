@@ -1,0 +1,312 @@
+"""One process of ``etcslurm bench migrate``: old layout → (P2P | checkpoint) → new layout.
+
+Phases (generations on the launcher's long-lived store):
+
+0. **old world** (old devices only): build the GPT in the old layout, train a few steps,
+   record the pre-migration state (raw dump, for the independent bit-exact check) and
+   the replicated scalars (JSON), then save it with the checkpoint baseline -- a warm-up
+   save first (its writer processes' one-off start-up cost, reported apart), then the
+   timed saves.
+1. **union world** (old devices + joiners): every rank replays the same plan, then the
+   executor moves the state into receive buffers (one per needed piece), ``repeat`` times.
+   Leaving and idle devices are done after this and exit.
+2. **new world** (new ranks only): model B is built and loaded from the checkpoint
+   (timed), checked bit for bit against the P2P buffers and the pre-migration dump, then
+   trained ``steps_after`` steps; model A is built, restored from the P2P buffers (timed,
+   part of ``p2p_seconds``) and trained the same steps: losses must be bit-identical.
+   Optionally a reference model that never migrated trains from scratch in the new layout.
+
+Why receive buffers and not the live new model: megatron-core modules keep references to
+the process groups they were built with, so the new model can only be built in the new
+world, which does not contain the leaving devices; the restore is one local copy per piece
+and is counted in ``p2p_seconds``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from etcslurm.bench.rawdump import GlobalState, dump
+from etcslurm.bench.worker import WorkerContext
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.models import GPTSpec
+from etcslurm.core.state import Piece
+from etcslurm.errors import MigrationError, StateLostError
+from etcslurm.transfer import groups
+from etcslurm.transfer.executor import ViewIndex, execute_plan
+
+
+def _max(value: float) -> float:
+    """The maximum of ``value`` over the current world (every rank gets it)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _timed_barrier_max(fn: Any) -> tuple[float, Any]:
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    dist.barrier()
+    return _max(time.perf_counter() - t0), out
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def migrate(ctx: WorkerContext) -> dict[str, Any]:
+    """The worker target (see the module docstring)."""
+    from etcslurm.megatron import cpu_shim, parallel
+
+    n_old = ParallelConfig.parse(ctx.config["from"]).world_size
+    index = ctx.index
+    device = str(index) if index < n_old else f"join:{index - n_old}"
+    out: dict[str, Any] = {"device": device}
+    cpu_shim.install_if_needed()
+    groups.register_teardown_hook(parallel.teardown)
+    from etcslurm.baseline.checkpoint import CheckpointMigrator
+
+    baseline = CheckpointMigrator()
+    try:
+        return _migrate(ctx, out, baseline, device)
+    finally:
+        baseline.close()
+
+
+def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str) -> dict[str, Any]:
+    from etcslurm.core.planner import plan_for_gpt
+    from etcslurm.megatron import parallel
+    from etcslurm.megatron.model import TrainHyper, build_gpt
+    from etcslurm.megatron.scalars import extract_scalars, restore_scalars
+    from etcslurm.megatron.sharded_meta import local_state
+    from etcslurm.megatron.train import train_step
+
+    c = ctx.config
+    spec = GPTSpec.from_json(c["spec"])
+    old, new = ParallelConfig.parse(c["from"]), ParallelConfig.parse(c["to"])
+    n_old, n_join = old.world_size, int(c.get("join", 0))
+    leave = sorted({int(r) for r in c.get("leave", [])})
+    optimizer, seed = c.get("optimizer", "adam"), int(c.get("seed", 1234))
+    repeat = int(c.get("repeat", 1))
+    timeout = float(c.get("timeout", 300))
+    phase_wait = timedelta(seconds=float(c.get("phase_timeout", 3600)))
+    hyper = TrainHyper(global_batch=int(c["global_batch"]))
+    work = Path(c["work_dir"])
+    ckpt_root = Path(c["ckpt_dir"])
+    index = ctx.index
+    use_ckpt = bool(c.get("checkpoint", True))
+
+    def progress(phase: str, **info: Any) -> None:
+        ctx.publish(device, {"phase": phase, "device": device, **info})
+
+    # ---------------------------------------------------------------- 0. old world
+    plan = plan_for_gpt(spec, old, new, leaving=[str(r) for r in leave], joiners=n_join,
+                        optimizer=optimizer, staging_bytes=int(c["plan_staging_bytes"]))
+    if plan.missing:
+        raise StateLostError(f"pieces with no holder: {sorted(plan.missing)[:3]}")
+    held: list[tuple[Piece, torch.Tensor]] = []
+    scalars: dict[str, Any] | None = None
+    if index < n_old:
+        progress("build-old")
+        parallel.init_parallel(old, index, n_old, ctx.store, 0, timeout_s=timeout)
+        trainee = build_gpt(spec, old, optimizer, seed, hyper=hyper)
+        losses = []
+        for step in range(int(c.get("steps_before", 2))):
+            progress("train-old", step=step)
+            losses.append(train_step(trainee))
+        out["losses_before"] = losses
+        state = local_state(trainee)
+        _check_holdings(spec, old, index, optimizer, state.pieces, "old")
+        held = state.items()
+        out["held_bytes"] = state.nbytes
+        scalars = extract_scalars(trainee)
+        if c.get("verify_global", True):
+            dump(work / "global", f"dev{index}", held)
+        progress("checkpoint-save")
+        t0 = time.perf_counter()
+        if not use_ckpt:
+            baseline = _NoCheckpoint(work)
+        baseline.save(trainee, ckpt_root / "warmup")
+        dist.barrier()
+        out["checkpoint_startup_seconds"] = _max(time.perf_counter() - t0)
+        saves = []
+        for rep in range(repeat):
+            target = ckpt_root / f"save{rep}"
+            seconds, _ = _timed_barrier_max(lambda target=target: baseline.save(trainee, target))
+            saves.append(seconds)
+            if index == 0 and rep > 0:
+                shutil.rmtree(ckpt_root / f"save{rep - 1}", ignore_errors=True)
+        out["checkpoint_save_seconds"] = saves
+        out["checkpoint_path"] = str(ckpt_root / f"save{repeat - 1}")
+        if index == 0:
+            shutil.rmtree(ckpt_root / "warmup", ignore_errors=True)
+            ctx.store.set("bench/scalars", json.dumps(scalars))
+            ctx.store.set("bench/old_done", "1")
+    else:
+        progress("waiting-for-old")
+        ctx.store.wait(["bench/old_done"], phase_wait)
+    # ---------------------------------------------------------------- 1. union world
+    n_union = n_old + n_join
+    ranks = {str(r): r for r in range(n_old)} | {f"join:{j}": n_old + j for j in range(n_join)}
+    progress("union")
+    groups.configure(ctx.store, 1, index, n_union, timeout=timeout)
+    if c.get("measure_bandwidth", False) and n_union >= 2:
+        out["pair_bandwidth"] = _pair_bandwidth(index, int(c.get("bandwidth_mbytes", 128)))
+    new_rank = plan.assignment.index(device) if device in plan.assignment else None
+    needed: list[tuple[Piece, torch.Tensor]] = []
+    if new_rank is not None:
+        from etcslurm.core.gpt_state import rank_pieces
+
+        needed = [(p, torch.empty(p.shape, dtype=getattr(torch, p.dtype)))
+                  for p in rank_pieces(spec, new, new_rank, optimizer)]
+    p2p_times, stats = [], None
+    for rep in range(repeat):
+        def run(rep: int = rep, held: Any = held, needed: Any = needed) -> Any:
+            return execute_plan(
+                plan, device, ranks, held, needed, staging_cap=int(c["staging_bytes"]),
+                timeout=timeout,
+                progress=lambda info, rep=rep: progress("p2p", repeat=rep, **info),
+            )
+
+        seconds, stats = _timed_barrier_max(run)
+        p2p_times.append(seconds)
+    out["exchange_seconds"] = p2p_times
+    out["transfer"] = stats.to_json() if stats is not None else None
+    out["plan_stats"] = plan.stats
+    out["new_rank"] = new_rank
+    if new_rank is None:  # leaving or idle: pieces handed over, done
+        groups.teardown()
+        out["role"] = "leaving" if index in leave else "idle"
+        progress("done")
+        return out
+    out["role"] = "new"
+    held = []  # the old model's tensors are no longer needed on this device
+    # ---------------------------------------------------------------- 2. new world
+    if scalars is None or index != 0:
+        scalars = json.loads(ctx.store.get("bench/scalars"))
+    progress("build-new")
+    parallel.init_parallel(new, new_rank, new.world_size, ctx.store, 2, timeout_s=timeout)
+    ckpt_path = ckpt_root / f"save{repeat - 1}"
+    steps_after = int(c.get("steps_after", 2))
+    # checkpoint path: load (timed, repeat times), compare, train
+    if not use_ckpt:
+        baseline = _NoCheckpoint(work, scalars)
+    ckpt_model = build_gpt(spec, new, optimizer, seed, hyper=hyper)
+    loads = []
+    for rep in range(repeat):
+        progress("checkpoint-load", repeat=rep)
+        seconds, _ = _timed_barrier_max(lambda m=ckpt_model: baseline.load(m, ckpt_path))
+        loads.append(seconds)
+    out["checkpoint_load_seconds"] = loads
+    live = local_state(ckpt_model)
+    _check_holdings(spec, new, new_rank, optimizer, live.pieces, "new")
+    received = ViewIndex(needed, "received")
+    mismatched = [p for p, v in live.items() if not _bits_equal(v, received.view(p))]
+    out["p2p_equals_checkpoint"] = not mismatched if use_ckpt else None
+    out["mismatch_p2p_vs_checkpoint"] = [p.to_json() for p in mismatched[:5]]
+    if c.get("verify_global", True):
+        reference = GlobalState(work / "global")
+        bad = [p for p, v in needed if not _bits_equal(v, reference.expected(p))]
+        out["p2p_equals_pre_migration"] = not bad
+        out["mismatch_p2p_vs_pre_migration"] = [p.to_json() for p in bad[:5]]
+    losses_ckpt = []
+    for step in range(steps_after):
+        progress("train-checkpoint", step=step)
+        losses_ckpt.append(train_step(ckpt_model))
+    out["losses_checkpoint"] = losses_ckpt
+    ckpt_model = live = None
+    # P2P path: build, restore from the receive buffers (timed), train
+    p2p_model = build_gpt(spec, new, optimizer, seed, hyper=hyper)
+    restore_s, _ = _timed_barrier_max(lambda m=p2p_model, r=received: _restore(m, r, local_state))
+    restore_scalars(p2p_model, scalars)
+    out["restore_seconds"] = restore_s
+    losses_p2p = []
+    for step in range(steps_after):
+        progress("train-p2p", step=step)
+        losses_p2p.append(train_step(p2p_model))
+    out["losses_p2p"] = losses_p2p
+    p2p_model = needed = received = None
+    if c.get("reference", False):
+        progress("reference")
+        ref = build_gpt(spec, new, optimizer, seed, hyper=hyper)
+        ref_losses = [train_step(ref) for _ in range(int(c.get("steps_before", 2)) + steps_after)]
+        out["losses_reference"] = ref_losses[-steps_after:] if steps_after else []
+        ref = None
+    groups.teardown()
+    progress("done")
+    return out
+
+
+def _restore(trainee: Any, received: ViewIndex, local_state: Any) -> int:
+    """Copy the received pieces into the freshly built model/optimizer; bytes copied."""
+    n = 0
+    for piece, view in local_state(trainee).items():
+        view.copy_(received.view(piece))
+        n += piece.nbytes
+    return n
+
+
+def _check_holdings(spec: GPTSpec, cfg: ParallelConfig, rank: int, optimizer: str,
+                    live: list[Piece], what: str) -> None:
+    """The live pieces must be the planner's analytic ones (else the plan is wrong)."""
+    from etcslurm.core.gpt_state import rank_pieces
+
+    planned = set(rank_pieces(spec, cfg, rank, optimizer))
+    got = set(live)
+    if planned != got:
+        extra = sorted(got - planned)[:2]
+        lacking = sorted(planned - got)[:2]
+        raise MigrationError(
+            f"{what} layout {cfg} rank {rank}: live state differs from core.gpt_state "
+            f"(live only: {extra}; planned only: {lacking})"
+        )
+
+
+def _pair_bandwidth(index: int, mbytes: int) -> dict[str, float] | None:
+    """Best-of-3 one-way bandwidth rank 0 -> rank 1 in the current world."""
+    buf = torch.ones(mbytes << 20, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if index == 0:
+            dist.send(buf, 1)
+        elif index == 1:
+            dist.recv(buf, 0)
+        dist.barrier()
+        best = min(best, time.perf_counter() - t0)
+    return {"bytes": buf.numel(), "seconds": best, "gbps": buf.numel() / best / 1e9}
+
+
+
+class _NoCheckpoint:
+    """Stand-in for the baseline when ``checkpoint`` is off (P2P-only runs): the
+    "checkpoint" model is loaded from the pre-migration dump instead."""
+
+    def __init__(self, work: Path, scalars: dict[str, Any] | None = None) -> None:
+        self.work = work
+        self.scalars = scalars
+
+    def save(self, trainee: Any, path: Path) -> None:
+        del trainee, path
+
+    def load(self, trainee: Any, path: Path) -> None:
+        from etcslurm.megatron.scalars import restore_scalars
+        from etcslurm.megatron.sharded_meta import local_state
+
+        reference = GlobalState(self.work / "global")
+        for piece, view in local_state(trainee).items():
+            view.copy_(reference.expected(piece))
+        if self.scalars is not None:
+            restore_scalars(trainee, self.scalars)

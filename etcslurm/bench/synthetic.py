@@ -1,0 +1,174 @@
+"""Synthetic-tensor workers: the executor and process groups without megatron.
+
+Used by the executor tests (correctness, checksum detection, timeouts, ten migrations in
+a row without leaks) and by the benchmark's pairwise-bandwidth measurement.  Each global
+tensor's values are a deterministic function of its key, so every rank can check what it
+received without anyone sending the expected values.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from etcslurm.bench.worker import WorkerContext
+from etcslurm.core.state import Piece
+from etcslurm.errors import EtcslurmError
+from etcslurm.transfer import groups
+from etcslurm.transfer.executor import execute, staging_bytes_per_round
+
+
+@dataclass(frozen=True)
+class SynthMessage:
+    """Same fields as the planner's ``Message``."""
+
+    round: int
+    src: str
+    dst: str
+    slices: tuple[Piece, ...] = field(default=())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.slices)
+
+
+SHAPES = {"t": ((16, 12), "float32"), "u": ((24,), "int64"), "v": ((8, 8), "bfloat16")}
+
+
+def global_tensor(key: str) -> torch.Tensor:
+    """The deterministic value of global tensor ``key`` (``t3``, ``u0``, ...)."""
+    shape, dtype = SHAPES[key[0]]
+    gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    values = torch.randn(shape, generator=gen) * 100
+    return values.to(getattr(torch, dtype))
+
+
+def _box_of(piece: Piece) -> tuple[slice, ...]:
+    return tuple(slice(lo, hi) for lo, hi in piece.box)
+
+
+def synthetic_plan(n: int, scale: int = 1) -> tuple[list[SynthMessage], dict[str, list[Piece]]]:
+    """Device ``s`` holds tensors ``t{s}``, ``u{s}``, ``v{s}`` whole; device ``d`` needs
+    column block ``d`` of each of them from every ``s`` (a message per pair, two rounds)
+    and its own block locally."""
+    del scale
+    messages: list[SynthMessage] = []
+    local: dict[str, list[Piece]] = {}
+    for d in range(n):
+        for s in range(n):
+            slices = needed_pieces(s, d, n)
+            if s == d:
+                local[str(d)] = slices
+            else:
+                messages.append(SynthMessage((s + d) % 2, str(s), str(d), tuple(slices)))
+    return messages, local
+
+
+def needed_pieces(s: int, d: int, n: int) -> list[Piece]:
+    tcols = 12 // n
+    return [
+        Piece(f"t{s}", ((0, 16), (d * tcols, (d + 1) * tcols)), "float32"),
+        Piece(f"u{s}", ((d * 24 // n, (d + 1) * 24 // n),), "int64"),
+        Piece(f"v{s}", ((1, 7), (d, d + 1)), "bfloat16"),
+    ]
+
+
+def _holdings(me: int, n: int) -> tuple[list[tuple[Piece, torch.Tensor]], list[tuple[Piece, torch.Tensor]]]:
+    held = []
+    for key in (f"t{me}", f"u{me}", f"v{me}"):
+        t = global_tensor(key)
+        held.append((Piece(key, tuple((0, s) for s in t.shape), str(t.dtype)[6:]), t))
+    needed = []
+    for s in range(n):
+        for piece in needed_pieces(s, me, n):
+            needed.append((piece, torch.zeros(piece.shape, dtype=getattr(torch, piece.dtype))))
+    return held, needed
+
+
+def _check(needed: list[tuple[Piece, torch.Tensor]]) -> bool:
+    return all(torch.equal(t, global_tensor(p.key)[_box_of(p)]) for p, t in needed)
+
+
+def executor_selftest(ctx: WorkerContext) -> dict[str, Any]:
+    """All executor checks in one set of processes (process start-up is the slow part)."""
+    n, me, dev = ctx.nprocs, ctx.index, str(ctx.index)
+    ranks = {str(i): i for i in range(n)}
+    messages, local = synthetic_plan(n)
+    out: dict[str, Any] = {"usage": []}
+    cap = max(staging_bytes_per_round(messages, dev).values())
+    gen = 0
+    # 1. correctness, progress events, staging under the cap -- ten times in a row, each
+    #    in a fresh generation, measuring threads / fds / RSS after each teardown
+    events: list[dict[str, Any]] = []
+    for _ in range(int(ctx.config.get("repeats", 10))):
+        groups.configure(ctx.store, gen, me, n, "gloo", timeout=30)
+        held, needed = _holdings(me, n)
+        stats = execute(messages, local[dev], dev, ranks, held, needed,
+                        staging_cap=cap, timeout=30, progress=events.append)
+        out.setdefault("exact", []).append(_check(needed))
+        groups.teardown()
+        out["usage"].append(groups.resource_usage())
+        gen += 1
+    out["stats"] = stats.to_json()
+    out["cap"] = cap
+    out["progress_events"] = events[: stats.rounds]
+    # 2. a corrupted buffer on device 1 is detected and named
+    groups.configure(ctx.store, gen, me, n, "gloo", timeout=30)
+    gen += 1
+    held, needed = _holdings(me, n)
+
+    def corrupt(msg: Any, buf: torch.Tensor) -> None:
+        if me == 1 and msg.src == "0":
+            buf[3] ^= 0x10
+
+    try:
+        execute(messages, local[dev], dev, ranks, held, needed, timeout=30, corrupt=corrupt)
+        out["corrupt_error"] = None
+    except EtcslurmError as exc:
+        out["corrupt_error"] = f"{type(exc).__name__}: {exc}"
+    groups.teardown()
+    # 3. a peer that never sends: the receiver's wait ends with a clear error
+    groups.configure(ctx.store, gen, me, n, "gloo", timeout=30)
+    gen += 1
+    lonely = [SynthMessage(0, "0", "1", tuple(needed_pieces(0, 1, n)))] if me == 1 else []
+    held, needed = _holdings(me, n)
+    t0 = time.perf_counter()
+    try:
+        execute(lonely, [], dev, ranks, held, needed, timeout=float(ctx.config.get("wait", 3)))
+        out["timeout_error"] = None
+    except EtcslurmError as exc:
+        out["timeout_error"] = f"{type(exc).__name__}: {exc}"
+    out["timeout_seconds"] = time.perf_counter() - t0
+    groups.abort()
+    # the same processes still form a new world and migrate correctly afterwards
+    groups.configure(ctx.store, gen, me, n, "gloo", timeout=30)
+    held, needed = _holdings(me, n)
+    execute(messages, local[dev], dev, ranks, held, needed, timeout=30)
+    out["exact_after_abort"] = _check(needed)
+    groups.teardown()
+    return out
+
+
+def bandwidth(ctx: WorkerContext) -> dict[str, Any]:
+    """Pairwise bandwidth 0 <-> 1 with one buffer of ``mbytes`` (best of ``repeat``)."""
+    me = ctx.index
+    mbytes = int(ctx.config.get("mbytes", 256))
+    groups.configure(ctx.store, int(ctx.config.get("generation", 0)), me, ctx.nprocs, timeout=60)
+    buf = torch.ones(mbytes << 20, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(int(ctx.config.get("repeat", 3))):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if me == 0:
+            dist.send(buf, 1)
+        elif me == 1:
+            dist.recv(buf, 0)
+        dist.barrier()
+        best = min(best, time.perf_counter() - t0)
+    groups.teardown()
+    return {"bytes": buf.numel(), "seconds": best, "gbps": buf.numel() / best / 1e9}

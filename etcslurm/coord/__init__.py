@@ -1,0 +1,14 @@
+"""Redis coordinator: bundled server, client, membership, generations, barrier, events, Store.
+
+Import the pieces from their modules; this package imports nothing heavy (``store.py`` is
+the only module that imports torch).
+
+* :mod:`etcslurm.coord.server` — :class:`BundledRedis`, a private password-protected
+  ``redis-server`` for a run directory.
+* :mod:`etcslurm.coord.client` — :func:`connect` (URL [+ password file] → :class:`CoordClient`)
+  with bounded timeouts and retry-until-deadline.
+* :mod:`etcslurm.coord.coordinator` — :class:`Coordinator`, the per-run API the runtime uses.
+* :mod:`etcslurm.coord.store` — :class:`RedisStore`, a ``torch.distributed.Store`` on Redis.
+"""
+
+from __future__ import annotations

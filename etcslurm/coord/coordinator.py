@@ -1,0 +1,733 @@
+"""The per-run coordinator API: membership, leader, generations, barrier, flags, events.
+
+Why Redis and not a rank: the coordinator must outlive any worker (a leaving or killed
+rank must never take the rendezvous down with it).  Everything of a run lives under
+``etcslurm:{run}:`` (see "Coordinator keys" in docs/architecture.md); values are JSON
+documents, read with a size bound; a bad entry raises :class:`CoordinatorError` naming
+the key.  Every wait is bounded and its :class:`WaitTimeout` names what was missing.
+
+Typical use by a worker::
+
+    coord = Coordinator(connect(url, password_file), run_id, spec=run_spec)
+    wid = coord.register({"device": "cpu:0", "address": "10.0.0.5"})  # starts heartbeats
+    ...
+    if coord.is_leader():
+        coord.publish_generation({"generation": g, "members": [...], ...})
+    rec = coord.wait_generation(after=g - 1, timeout=60)
+    coord.barrier(f"gen{g}:ready", rec["members"], timeout=60)
+    coord.set_state("active", rank=rec["ranks"][wid])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from etcslurm.coord import schema, scripts
+from etcslurm.coord.client import CoordClient
+from etcslurm.coord.schema import Keys, dumps, loads_dict
+from etcslurm.errors import CoordinatorError, UsageError, WaitTimeout
+
+log = logging.getLogger(__name__)
+
+#: Worker states, in lifecycle order: ``gone`` is final.
+JOINING, ACTIVE, LEAVING, GONE = schema.WORKER_STATES
+_ALLOWED = {
+    JOINING: {JOINING, ACTIVE, LEAVING, GONE},
+    ACTIVE: {ACTIVE, LEAVING, GONE},
+    LEAVING: {LEAVING, GONE},
+    GONE: {GONE},
+}
+
+
+class SpecMismatch(CoordinatorError):
+    """A worker's run spec (model, seed, global batch, ...) differs from the run's."""
+
+
+class BarrierTimeout(WaitTimeout):
+    """A barrier did not complete; ``missing`` lists who never arrived, ``dead`` who died."""
+
+    def __init__(self, message: str, missing: list[str], dead: list[str]) -> None:
+        super().__init__(message)
+        self.missing = missing
+        self.dead = dead
+
+
+def _seq(worker_id: str) -> int:
+    """The registration number inside a worker id ``w<n>`` (others sort last)."""
+    try:
+        return int(worker_id[1:]) if worker_id.startswith("w") else 1 << 62
+    except ValueError:
+        return 1 << 62
+
+
+def _names(ids: Iterable[str], limit: int = 20) -> str:
+    ids = sorted(ids, key=lambda w: (_seq(w), w))
+    shown = ", ".join(ids[:limit])
+    return shown + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
+
+
+def _slurm_env() -> dict[str, Any]:
+    env = os.environ
+    out: dict[str, Any] = {}
+    for field, var in (
+        ("slurm_job", "SLURM_JOB_ID"),
+        ("slurm_step", "SLURM_STEP_ID"),
+        ("slurm_proc", "SLURM_PROCID"),
+        ("node", "SLURMD_NODENAME"),
+    ):
+        if env.get(var):
+            out[field] = env[var]
+    return out
+
+
+class Coordinator:
+    """One worker's (or the operator's) handle on one run in the coordinator.
+
+    ``client`` comes from :func:`etcslurm.coord.client.connect`.  ``spec`` is the run spec
+    (model spec, seed, global batch, ...): the first to register stores it, a joiner whose
+    spec differs is refused with :class:`SpecMismatch`.  ``heartbeat_interval`` and
+    ``dead_after`` (seconds, default 1 and 10) decide how fast a dead worker is noticed;
+    ``max_value_bytes`` bounds every JSON value read or written.
+    """
+
+    def __init__(
+        self,
+        client: CoordClient,
+        run_id: str,
+        *,
+        spec: dict[str, Any] | None = None,
+        heartbeat_interval: float = 1.0,
+        dead_after: float = 10.0,
+        max_value_bytes: int = schema.MAX_VALUE_BYTES,
+        max_workers: int = 100_000,
+        max_events: int = 10_000,
+    ) -> None:
+        if heartbeat_interval <= 0 or dead_after <= heartbeat_interval:
+            raise UsageError(
+                f"need 0 < heartbeat_interval ({heartbeat_interval}) < dead_after ({dead_after})"
+            )
+        self.client = client
+        self.run_id = schema.check_run_id(run_id)
+        self.keys = Keys(run_id)
+        self.spec = spec
+        self.heartbeat_interval = heartbeat_interval
+        self.dead_after = dead_after
+        self.max_value_bytes = max_value_bytes
+        self.max_workers = max_workers
+        self.max_events = max_events
+        self.worker_id: str | None = None
+        self.info: dict[str, Any] = {}
+        self.evicted = False  # set when the others marked this live worker gone
+        self.last_beat_ok = 0.0  # time.monotonic() of the last successful heartbeat
+        self.last_beat_error: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        r = client.redis
+        self._get = r.register_script(scripts.GET_BOUNDED)
+        self._hget = r.register_script(scripts.HGET_BOUNDED)
+        self._hgetall = r.register_script(scripts.HGETALL_BOUNDED)
+        self._gen_cas = r.register_script(scripts.GEN_CAS)
+        self._beat = r.register_script(scripts.HEARTBEAT)
+        self._arrive = r.register_script(scripts.BARRIER_ARRIVE)
+        self._break = r.register_script(scripts.BARRIER_BREAK)
+
+    # ------------------------------------------------------------------ JSON I/O
+    def _read(self, key: str, deadline: float | None = None) -> dict | None:
+        raw = self.client.call(
+            f"read {key}", lambda r: self._get(keys=[key], args=[self.max_value_bytes]), deadline
+        )
+        return loads_dict(raw, key, self.max_value_bytes)
+
+    def _write(self, key: str, value: Any, deadline: float | None = None) -> None:
+        raw = dumps(value, key, self.max_value_bytes)
+        self.client.call(f"write {key}", lambda r: r.set(key, raw), deadline)
+
+    def _workers_raw(self, deadline: float | None = None) -> dict[str, dict]:
+        key = self.keys.workers
+        flat = self.client.call(
+            f"read {key}",
+            lambda r: self._hgetall(keys=[key], args=[self.max_value_bytes, self.max_workers]),
+            deadline,
+        )
+        out: dict[str, dict] = {}
+        for i in range(0, len(flat), 2):
+            wid = schema.text(flat[i])
+            info = loads_dict(flat[i + 1], f"{key}[{wid}]", self.max_value_bytes)
+            assert info is not None
+            if info.get("run_id") != self.run_id:
+                raise CoordinatorError(
+                    f"coordinator entry {key}[{wid}] belongs to run {info.get('run_id')!r}, "
+                    f"not {self.run_id!r}"
+                )
+            out[wid] = info
+        return out
+
+    # ------------------------------------------------------------------ run spec
+    def ensure_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Store ``spec`` as the run's spec if none is set; else require it to be equal.
+
+        Raises :class:`SpecMismatch` listing the fields that differ.
+        """
+        key = self.keys.spec
+        raw = dumps(spec, key, self.max_value_bytes)
+        self.client.call(f"write {key}", lambda r: r.set(key, raw, nx=True))
+        stored = self._read(key)
+        if stored is None:  # deleted in between (end_run): store ours
+            self.client.call(f"write {key}", lambda r: r.set(key, raw, nx=True))
+            return spec
+        canon = schema.loads(raw, key)
+        if stored != canon:
+            diffs = [
+                f"{k}: run has {stored.get(k)!r}, this worker {canon.get(k)!r}"
+                for k in sorted(set(stored) | set(canon))
+                if stored.get(k) != canon.get(k)
+            ]
+            raise SpecMismatch(
+                f"refused to join run {self.run_id}: spec differs ({'; '.join(diffs[:5])})"
+            )
+        return stored
+
+    def run_spec(self) -> dict[str, Any] | None:
+        """The run's stored spec, or ``None``."""
+        return self._read(self.keys.spec)
+
+    # ------------------------------------------------------------------ membership
+    def register(self, info: dict[str, Any] | None = None, *, heartbeat: bool = True) -> str:
+        """Join the run as a new worker in state ``joining``; returns its worker id ``w<n>``.
+
+        ``info`` adds/overrides fields (``device``, ``address``, ...); host, pid and the
+        Slurm job/step/node come from the environment.  Starts the heartbeat thread unless
+        ``heartbeat=False`` (then call :meth:`beat` yourself, e.g. for 1000 simulated
+        workers).  Emits ``worker.registered``.
+        """
+        if self.worker_id is not None:
+            raise UsageError(f"this coordinator handle is already worker {self.worker_id}")
+        if self.spec is not None:
+            self.ensure_spec(self.spec)
+        n = int(self.client.call("register", lambda r: r.incr(self.keys.worker_seq)))
+        wid = f"w{n}"
+        now = time.time()
+        base: dict[str, Any] = {
+            "worker_id": wid,
+            "run_id": self.run_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": None,
+            "address": None,
+            **_slurm_env(),
+        }
+        base.update(info or {})
+        base.update(
+            worker_id=wid,
+            run_id=self.run_id,
+            state=JOINING,
+            rank=None,
+            generation=None,
+            leave_deadline=None,
+            registered_at=now,
+            updated_at=now,
+        )
+        raw = dumps(base, f"{self.keys.workers}[{wid}]", self.max_value_bytes)
+        with self._lock:
+            self.worker_id, self.info = wid, base
+        self.client.call("register", lambda r: r.hset(self.keys.workers, wid, raw))
+        self.beat(deadline=None)
+        self.emit("worker.registered", **{k: base.get(k) for k in (
+            "host", "node", "pid", "device", "address", "slurm_job", "slurm_step")})
+        if heartbeat:
+            self.start_heartbeat()
+        return wid
+
+    def beat(self, deadline: float | None = 0) -> str:
+        """One heartbeat: refresh ``hb:{worker}`` (TTL ``dead_after``), heal a lost entry.
+
+        ``deadline``: seconds to retry an outage (default 0: one try, the heartbeat thread
+        just tries again next interval).  Returns the state stored for this worker; if others marked it ``gone`` while it
+        was alive, :attr:`evicted` is set so the runtime can stop cleanly.
+        """
+        wid = self._require_worker()
+        with self._lock:
+            info_raw = dumps(self.info, f"{self.keys.workers}[{wid}]", self.max_value_bytes)
+        spec_raw = dumps(self.spec, self.keys.spec) if self.spec is not None else b""
+        k = self.keys
+        state = self.client.call(
+            "heartbeat",
+            lambda r: self._beat(
+                keys=[k.hb(wid), k.workers, k.worker_seq, k.spec],
+                args=[wid, int(self.dead_after * 1000), f"{time.time():.3f}", info_raw,
+                      _seq(wid), spec_raw],
+            ),
+            deadline=deadline,
+        )
+        state = schema.text(state)
+        self.last_beat_ok = time.monotonic()
+        self.last_beat_error = None
+        if state == GONE and self.info.get("state") != GONE:
+            self.evicted = True
+        return state
+
+    def start_heartbeat(self) -> None:
+        """Start the daemon thread that calls :meth:`beat` every ``heartbeat_interval``."""
+        self._require_worker()
+        if self._thread and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._heartbeat_loop, name=f"etcslurm-hb-{self.worker_id}", daemon=True
+        )
+        self._thread.start()
+
+    def stop_heartbeat(self) -> None:
+        """Stop the heartbeat thread (the key then expires after ``dead_after``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.client.redis.connection_pool.connection_kwargs.get(
+                "socket_timeout", 5) or 5)
+            self._thread = None
+
+    def _heartbeat_loop(self) -> None:
+        # Redis may be unreachable for a while (restart, network): keep trying at the same
+        # cadence and never let the thread die; others judge liveness by the TTL key.
+        while not self._stop.wait(self.heartbeat_interval):
+            try:
+                self.beat()
+            except Exception as exc:  # the thread must survive anything
+                if self.last_beat_error is None:
+                    log.warning("heartbeat of %s failed (will retry): %s", self.worker_id, exc)
+                self.last_beat_error = str(exc)
+
+    def set_state(
+        self,
+        state: str,
+        *,
+        rank: int | None = None,
+        generation: int | None = None,
+        leave_within: float | None = None,
+        **extra: Any,
+    ) -> None:
+        """Move this worker to ``state`` (joining → active → leaving → gone).
+
+        ``rank``/``generation`` record the worker's place in the current generation;
+        ``leave_within`` (seconds) sets the leaving deadline.  Emits ``worker.state``.
+        """
+        wid = self._require_worker()
+        if state not in _ALLOWED:
+            raise UsageError(f"unknown worker state {state!r} (use one of {schema.WORKER_STATES})")
+        with self._lock:
+            old = self.info.get("state", JOINING)
+            if state not in _ALLOWED[old]:
+                raise UsageError(f"worker {wid} cannot go from {old} to {state}")
+            self.info["state"] = state
+            if rank is not None:
+                self.info["rank"] = rank
+            if generation is not None:
+                self.info["generation"] = generation
+            if leave_within is not None:
+                self.info["leave_deadline"] = time.time() + leave_within
+            self.info.update(extra)
+            self.info["updated_at"] = time.time()
+            raw = dumps(self.info, f"{self.keys.workers}[{wid}]", self.max_value_bytes)
+        self.client.call("set state", lambda r: r.hset(self.keys.workers, wid, raw))
+        self.emit("worker.state", state=state, previous=old, rank=self.info.get("rank"),
+                  leave_deadline=self.info.get("leave_deadline"))
+
+    def leave(self, within: float, reason: str = "signal") -> None:
+        """Announce that this worker leaves within ``within`` seconds; asks for a resize."""
+        self.set_state(LEAVING, leave_within=within)
+        self.request_change(f"{self.worker_id} leaving ({reason})", worker=self.worker_id,
+                            kind="leave")
+
+    def mark_gone(self, worker_id: str, reason: str) -> None:
+        """Record another (dead or departed) worker as ``gone``; emits ``worker.gone``."""
+        key = self.keys.workers
+
+        def tx(pipe: Any) -> None:
+            raw = pipe.hget(key, worker_id)
+            info = loads_dict(raw, f"{key}[{worker_id}]", self.max_value_bytes)
+            if info is None:
+                return
+            info.update(state=GONE, gone_reason=reason, updated_at=time.time())
+            pipe.multi()
+            pipe.hset(key, worker_id, dumps(info, f"{key}[{worker_id}]", self.max_value_bytes))
+
+        self.client.call("mark gone", lambda r: r.transaction(tx, key))
+        self.emit("worker.gone", worker=worker_id, reason=reason)
+
+    def members(self) -> dict[str, dict[str, Any]]:
+        """All workers ever registered: info + ``alive`` (heartbeat key present)."""
+        workers = self._workers_raw()
+        ids = list(workers)
+        if ids:
+            alive = self.client.call(
+                "read heartbeats",
+                lambda r: _pipeline_exists(r, [self.keys.hb(w) for w in ids]),
+            )
+            for wid, ok in zip(ids, alive, strict=True):
+                workers[wid]["alive"] = bool(ok)
+        return dict(sorted(workers.items(), key=lambda kv: (_seq(kv[0]), kv[0])))
+
+    def live_members(self) -> dict[str, dict[str, Any]]:
+        """Workers that are not gone and whose heartbeat has not expired."""
+        return {w: i for w, i in self.members().items() if i["alive"] and i["state"] != GONE}
+
+    def dead_workers(self) -> list[str]:
+        """Workers not marked gone whose heartbeat expired (``dead_after`` without a beat)."""
+        return [w for w, i in self.members().items() if i["state"] != GONE and not i["alive"]]
+
+    def overdue_leavers(self) -> list[str]:
+        """Leaving workers whose leave deadline has passed."""
+        now = time.time()
+        return [
+            w for w, i in self.members().items()
+            if i["state"] == LEAVING and (i.get("leave_deadline") or now + 1) < now
+        ]
+
+    # ------------------------------------------------------------------ leader
+    def leader(self) -> str | None:
+        """The live worker with the lowest active rank, else the lowest live worker id.
+
+        Leaving, gone and dead workers are never leader, so the role moves on by itself
+        when the leader leaves or dies.
+        """
+        live = {w: i for w, i in self.live_members().items() if i["state"] in (JOINING, ACTIVE)}
+        ranked = [(i["rank"], w) for w, i in live.items()
+                  if i["state"] == ACTIVE and isinstance(i.get("rank"), int)]
+        if ranked:
+            return min(ranked)[1]
+        return min(live, key=lambda w: (_seq(w), w)) if live else None
+
+    def is_leader(self) -> bool:
+        return self.worker_id is not None and self.leader() == self.worker_id
+
+    # ------------------------------------------------------------------ generations
+    def publish_generation(self, record: dict[str, Any]) -> bool:
+        """Publish generation ``record["generation"]`` if the current one is the previous.
+
+        Atomic compare-and-set: among concurrent publishers of the same number exactly one
+        gets ``True``; the others get ``False`` and should :meth:`wait_generation`.
+        Emits ``generation.start`` on success.
+        """
+        n = record.get("generation")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise UsageError(f"generation record needs an integer 'generation' >= 0, got {n!r}")
+        doc = {**record, "published_by": self.worker_id, "published_at": time.time()}
+        raw = dumps(doc, self.keys.gen, self.max_value_bytes)
+        won, _prev = self.client.call(
+            "publish generation",
+            lambda r: self._gen_cas(keys=[self.keys.gen], args=[n - 1, raw]),
+        )
+        if int(won):
+            self.emit("generation.start", generation=n,
+                      **{k: record[k] for k in ("layout", "members", "reason") if k in record})
+        return bool(int(won))
+
+    def current_generation(self) -> dict[str, Any] | None:
+        """The current generation record, or ``None`` before the first."""
+        return self._read(self.keys.gen)
+
+    def wait_generation(self, after: int, timeout: float) -> dict[str, Any]:
+        """Wait until a generation numbered above ``after`` is published; return it."""
+        end = time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            rec = self.current_generation()
+            if rec is not None and int(rec.get("generation", -1)) > after:
+                return rec
+            left = end - time.monotonic()
+            if left <= 0:
+                cur = None if rec is None else rec.get("generation")
+                raise WaitTimeout(
+                    f"run {self.run_id}: no generation after {after} published within "
+                    f"{timeout:g} s (current: {cur}, leader: {self.leader()})"
+                )
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.1)
+
+    # ------------------------------------------------------------------ barrier
+    def barrier(
+        self,
+        name: str,
+        participants: Iterable[str],
+        timeout: float,
+        *,
+        me: str | None = None,
+        arrive: bool = True,
+    ) -> float:
+        """Arrive at barrier ``name`` and wait for all ``participants`` (worker ids).
+
+        Returns the seconds waited.  Raises :class:`BarrierTimeout` naming the missing
+        workers after ``timeout``, or earlier as soon as a missing participant is dead
+        (heartbeat expired) or gone — so a crash never costs the full timeout.  Barrier
+        names must be unique per use (e.g. ``f"gen{g}:ready"``).
+        """
+        parts = sorted(set(participants), key=lambda w: (_seq(w), w))
+        me = me if me is not None else self.worker_id
+        key, done = self.keys.barrier(name), self.keys.barrier_done(name)
+        ttl = int(timeout + 3600)
+        if arrive and me is not None:
+            if me not in parts:
+                raise UsageError(f"{me} is not a participant of barrier {name!r}")
+            self.client.call(f"barrier {name}", lambda r: self._arrive(
+                keys=[key, done, self.keys.barriers],
+                args=[me, f"{time.time():.3f}", ttl, len(parts), name]))
+        # Who this waiter watches for death: everyone in small barriers; in large ones
+        # its next three participants (each worker is watched by three others), so the
+        # cost per waiter stays O(1) and a crash is still noticed within one interval.
+        if me in parts and len(parts) > 16:
+            i = parts.index(me)
+            watch = [parts[(i + d) % len(parts)] for d in (1, 2, 3)]
+        else:
+            watch = [w for w in parts if w != me]
+        start = time.monotonic()
+        end = start + timeout
+        interval = min(0.5, self.heartbeat_interval)
+        next_check = start + interval
+        while True:
+            now = time.monotonic()
+            # blocks server-side until the last arriver (or a breaker) writes the stream
+            block = max(1, int(min(end - now, next_check - now, interval) * 1000))
+            resp = self.client.call(
+                f"barrier {name}", lambda r, b=block: r.xread({done: "0"}, count=1, block=b))
+            if resp:
+                fields = {schema.text(k): v for k, v in resp[0][1][0][1].items()}
+                if "broken" not in fields:
+                    return time.monotonic() - start
+                dead = schema.loads(fields["broken"], done, self.max_value_bytes) or []
+                raise self._barrier_error(name, parts, start, [str(d) for d in dead])
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + interval
+                dead = self._dead_among(watch, key)
+                if dead:
+                    raw = dumps(dead, done, self.max_value_bytes)
+                    self.client.call(f"barrier {name}", lambda r, raw=raw: self._break(
+                        keys=[done], args=[raw, ttl]))
+                    continue  # everyone (this waiter too) learns it from the stream
+            if now >= end:
+                raise self._barrier_error(name, parts, start, [], timeout)
+
+    def _barrier_error(
+        self, name: str, parts: list[str], start: float, dead: list[str],
+        timeout: float | None = None,
+    ) -> BarrierTimeout:
+        key = self.keys.barrier(name)
+        arrived = {schema.text(x) for x in
+                   self.client.call(f"barrier {name}", lambda r: r.hkeys(key))}
+        missing = [w for w in parts if w not in arrived]
+        got = f"({len(parts) - len(missing)}/{len(parts)} arrived)"
+        if dead:
+            return BarrierTimeout(
+                f"barrier {name!r} broken after {time.monotonic() - start:.1f} s: "
+                f"{_names(dead)} died or left (heartbeat expired); missing "
+                f"{_names(missing)} {got}", missing, dead)
+        return BarrierTimeout(
+            f"barrier {name!r} timed out after {timeout:g} s: missing {_names(missing)} {got}",
+            missing, [])
+
+    def _dead_among(self, ids: list[str], arrivals: str | None = None) -> list[str]:
+        """Which of ``ids`` (not yet arrived at ``arrivals``) are registered workers that
+        are gone or have no heartbeat."""
+        if not ids:
+            return []
+        key = self.keys.workers
+
+        def _read(r: Any) -> list[Any]:
+            p = r.pipeline(transaction=False)
+            for w in ids:
+                p.hstrlen(key, w)
+                p.exists(self.keys.hb(w))
+                if arrivals:
+                    p.hexists(arrivals, w)
+                else:
+                    p.exists(key)  # placeholder keeps the stride
+            return p.execute()
+
+        res = self.client.call("read heartbeats", _read)
+        dead = []
+        for j, w in enumerate(ids):
+            size, alive, arrived = res[3 * j: 3 * j + 3]
+            if not size or (arrivals and arrived):
+                continue  # unregistered (only the timeout can tell) or already here
+            if not alive:
+                dead.append(w)
+                continue
+            raw = self.client.call(
+                f"read {key}", lambda r, w=w: self._hget(keys=[key], args=[w, self.max_value_bytes])
+            )
+            info = loads_dict(raw, f"{key}[{w}]", self.max_value_bytes)
+            if info is not None and info.get("state") == GONE:
+                dead.append(w)
+        return dead
+
+    # ------------------------------------------------------------------ change requests
+    def request_change(self, reason: str, **data: Any) -> None:
+        """Ask for a resize at the next step boundary (any worker or the operator)."""
+        doc = {"reason": reason, "by": self.worker_id or "operator", "ts": time.time(), **data}
+        raw = dumps(doc, self.keys.changes, self.max_value_bytes)
+
+        def _push(r: Any) -> None:
+            p = r.pipeline(transaction=True)
+            p.rpush(self.keys.changes, raw)
+            p.ltrim(self.keys.changes, -1000, -1)
+            p.execute()
+
+        self.client.call("request change", _push)
+        self.emit("change.requested", **doc)
+
+    def pending_change(self) -> list[dict[str, Any]]:
+        """The change requests not yet taken, oldest first (empty: nothing pending)."""
+        key = self.keys.changes
+        n = int(self.client.call("read changes", lambda r: r.llen(key)))
+        if not n:
+            return []
+        raws = self.client.call("read changes", lambda r: r.lrange(key, 0, 999))
+        return [loads_dict(x, f"{key}[{i}]", self.max_value_bytes) or {}
+                for i, x in enumerate(raws)]
+
+    def take_changes(self, count: int) -> None:
+        """Drop the ``count`` oldest requests (the leader handled them in a generation)."""
+        if count > 0:
+            self.client.call("take changes", lambda r: r.ltrim(self.keys.changes, count, -1))
+
+    # ------------------------------------------------------------------ events, status
+    def emit(self, type: str, **data: Any) -> str:
+        """Append an event to the run's ``events`` stream; returns its stream id.
+
+        Fields: ``type``, ``ts`` (unix seconds), ``worker`` (id or ``operator``), ``data``
+        (JSON).  The stream is capped at about ``max_events`` entries.
+        """
+        if not schema.EVENT_TYPE_RE.match(type):
+            raise UsageError(f"invalid event type {type!r} (lowercase dotted, e.g. migration.done)")
+        fields = {
+            "type": type,
+            "ts": f"{time.time():.6f}",
+            "worker": self.worker_id or "operator",
+            "data": dumps(data, f"{self.keys.events} {type}", self.max_value_bytes),
+        }
+        eid = self.client.call(
+            f"emit {type}",
+            lambda r: r.xadd(self.keys.events, fields, maxlen=self.max_events, approximate=True),
+        )
+        return schema.text(eid)
+
+    def read_events(
+        self, last_id: str = "0", block_ms: int | None = None, count: int = 1000
+    ) -> list[dict[str, Any]]:
+        """Events after ``last_id`` (``"0"``: from the start; ``"$"``: only new ones).
+
+        Each is ``{"id", "type", "ts", "worker", "data"}``.  ``block_ms`` waits up to that
+        long for new events (capped below the socket timeout; loop for longer waits).
+        """
+        key = self.keys.events
+        sock = self.client.redis.connection_pool.connection_kwargs.get("socket_timeout") or 5
+        block = None if block_ms is None else max(1, min(int(block_ms), int(sock * 1000) - 500))
+        resp = self.client.call(
+            "read events", lambda r: r.xread({key: last_id}, count=count, block=block)
+        )
+        out: list[dict[str, Any]] = []
+        for _stream, entries in resp or []:
+            for eid, fields in entries:
+                f = {schema.text(k): v for k, v in fields.items()}
+                eid_s = schema.text(eid)
+                try:
+                    ts = float(schema.text(f.get("ts", b"0")))
+                except ValueError:
+                    ts = 0.0
+                out.append({
+                    "id": eid_s,
+                    "type": schema.text(f.get("type", b"")),
+                    "ts": ts,
+                    "worker": schema.text(f.get("worker", b"")),
+                    "data": schema.loads(f.get("data", b"{}"), f"{key}[{eid_s}]",
+                                         self.max_value_bytes),
+                })
+        return out
+
+    def set_status(self, summary: dict[str, Any]) -> None:
+        """Replace the run's ``status`` JSON summary (what ``etcslurm status`` shows)."""
+        self._write(self.keys.status, {**summary, "run_id": self.run_id, "updated_at": time.time()})
+
+    def status(self) -> dict[str, Any] | None:
+        return self._read(self.keys.status)
+
+    # ------------------------------------------------------------------ end
+    def run_keys(self) -> list[str]:
+        """All existing keys of this run.
+
+        Derived from what the run tracks (workers, barrier names, store generations), not
+        from ``SCAN``: a per-run ACL user may not list key names (see ``coord/acl.py``).
+        """
+        k = self.keys
+
+        def _list(r: Any) -> list[str]:
+            p = r.pipeline(transaction=False)
+            p.hkeys(k.workers)
+            p.smembers(k.barriers)
+            p.smembers(k.stores)
+            workers, barriers, stores = p.execute()
+            names = list(k.fixed())
+            names += [k.hb(schema.text(w)) for w in workers]
+            names += [k.barrier(schema.text(b)) for b in barriers]
+            names += [k.barrier_done(schema.text(b)) for b in barriers]
+            names += [k.store(schema.text(g)) for g in stores]
+            p = r.pipeline(transaction=False)
+            for n in names:
+                p.exists(n)
+            return sorted(n for n, e in zip(names, p.execute(), strict=True) if e)
+
+        return self.client.call("list keys", _list)
+
+    def end_run(self, keep_s: float = 0.0) -> int:
+        """End the run: emit ``run.end``; delete its keys, or let them expire in ``keep_s``.
+
+        Returns how many keys were deleted or given a TTL.
+        """
+        self.emit("run.end", keep_s=keep_s)
+        self.stop_heartbeat()
+        keys = self.run_keys()
+
+        def _drop(r: Any) -> None:
+            p = r.pipeline(transaction=False)
+            for k in keys:
+                if keep_s > 0:
+                    p.pexpire(k, int(keep_s * 1000))
+                else:
+                    p.unlink(k)
+            p.execute()
+
+        if keys:
+            self.client.call("end run", _drop)
+        return len(keys)
+
+    def close(self, state: str | None = GONE) -> None:
+        """Stop heartbeats and (by default) record this worker as gone."""
+        self.stop_heartbeat()
+        if self.worker_id is not None and state and self.info.get("state") != state:
+            with contextlib.suppress(CoordinatorError, UsageError):
+                self.set_state(state)
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _require_worker(self) -> str:
+        if self.worker_id is None:
+            raise UsageError("register() this worker with the coordinator first")
+        return self.worker_id
+
+
+def _pipeline_exists(r: Any, keys: list[str]) -> list[int]:
+    p = r.pipeline(transaction=False)
+    for k in keys:
+        p.exists(k)
+    return p.execute()

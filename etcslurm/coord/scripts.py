@@ -1,0 +1,113 @@
+"""Server-side Lua for the few operations that must be atomic or size-bounded.
+
+Why Lua: a bounded read must refuse an oversized value *before* it crosses the network,
+and the generation compare-and-set must be one atomic step so that exactly one of several
+would-be leaders wins.  The scripts only read and write strings/hashes; nothing is
+deserialized into code on either side.  Errors come back as ``ETCSLURM ...`` replies.
+"""
+
+from __future__ import annotations
+
+# KEYS[1] key; ARGV[1] max bytes.  Returns the value or nil.
+GET_BOUNDED = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'none' then return false end
+if t ~= 'string' then return redis.error_reply('ETCSLURM ' .. KEYS[1] .. ' holds a ' .. t .. ', expected a JSON string') end
+local n = redis.call('STRLEN', KEYS[1])
+if n > tonumber(ARGV[1]) then
+  return redis.error_reply('ETCSLURM ' .. KEYS[1] .. ' is ' .. n .. ' bytes, over the ' .. ARGV[1] .. '-byte limit')
+end
+return redis.call('GET', KEYS[1])
+"""
+
+# KEYS[1] hash; ARGV[1] max bytes per value; ARGV[2] max fields.  Returns HGETALL's list.
+HGETALL_BOUNDED = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'none' then return {} end
+if t ~= 'hash' then return redis.error_reply('ETCSLURM ' .. KEYS[1] .. ' holds a ' .. t .. ', expected a hash') end
+local n = redis.call('HLEN', KEYS[1])
+if n > tonumber(ARGV[2]) then
+  return redis.error_reply('ETCSLURM ' .. KEYS[1] .. ' has ' .. n .. ' entries, over the limit of ' .. ARGV[2])
+end
+local all = redis.call('HGETALL', KEYS[1])
+local max = tonumber(ARGV[1])
+for i = 2, #all, 2 do
+  if #all[i] > max then
+    return redis.error_reply('ETCSLURM ' .. KEYS[1] .. '[' .. all[i - 1] .. '] is ' .. #all[i] .. ' bytes, over the ' .. ARGV[1] .. '-byte limit')
+  end
+end
+return all
+"""
+
+# KEYS[1] hash; ARGV[1] field; ARGV[2] max bytes.
+HGET_BOUNDED = """
+local n = redis.call('HSTRLEN', KEYS[1], ARGV[1])
+if n > tonumber(ARGV[2]) then
+  return redis.error_reply('ETCSLURM ' .. KEYS[1] .. '[' .. ARGV[1] .. '] is ' .. n .. ' bytes, over the ' .. ARGV[2] .. '-byte limit')
+end
+return redis.call('HGET', KEYS[1], ARGV[1])
+"""
+
+# Generation compare-and-set.  KEYS[1] gen; ARGV[1] expected current number (-1: none);
+# ARGV[2] new record JSON.  Returns {1, previous} when set, {0, current} when another won.
+GEN_CAS = """
+local cur = redis.call('GET', KEYS[1])
+local curn = -1
+if cur then
+  local ok, obj = pcall(cjson.decode, cur)
+  if not ok or type(obj) ~= 'table' or type(obj['generation']) ~= 'number' then
+    return redis.error_reply('ETCSLURM ' .. KEYS[1] .. ' is malformed (no generation number)')
+  end
+  curn = obj['generation']
+end
+if curn ~= tonumber(ARGV[1]) then return {0, curn} end
+redis.call('SET', KEYS[1], ARGV[2])
+return {1, curn}
+"""
+
+# Heartbeat with self-healing membership (a restarted Redis without persistence lost the
+# run's keys: each live worker puts its own entry back).
+# KEYS[1] hb key; KEYS[2] workers hash; KEYS[3] worker_seq; KEYS[4] spec
+# ARGV[1] worker id; ARGV[2] ttl ms; ARGV[3] hb value; ARGV[4] info JSON; ARGV[5] seq
+# number of this worker; ARGV[6] spec JSON ('' if none).
+# Returns the state stored for this worker (after healing).
+HEARTBEAT = """
+redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2])
+local cur = redis.call('HGET', KEYS[2], ARGV[1])
+if not cur then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
+  local seq = tonumber(redis.call('GET', KEYS[3]) or '0')
+  if seq < tonumber(ARGV[5]) then redis.call('SET', KEYS[3], ARGV[5]) end
+  if ARGV[6] ~= '' then redis.call('SET', KEYS[4], ARGV[6], 'NX') end
+  return 'healed'
+end
+local ok, obj = pcall(cjson.decode, cur)
+if ok and type(obj) == 'table' and type(obj['state']) == 'string' then return obj['state'] end
+return 'malformed'
+"""
+
+# Barrier arrival.  KEYS[1] arrivals hash; KEYS[2] done stream; KEYS[3] barrier-name set.
+# ARGV[1] worker; ARGV[2] time; ARGV[3] ttl s; ARGV[4] participant count; ARGV[5] name.
+# The last arriver appends to the done stream, which every waiter reads with a blocking
+# XREAD (no polling, so 1000 waiters cost nothing while they wait).
+BARRIER_ARRIVE = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('SADD', KEYS[3], ARGV[5])
+local n = redis.call('HLEN', KEYS[1])
+if n >= tonumber(ARGV[4]) and redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('XADD', KEYS[2], '*', 'done', ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+end
+return n
+"""
+
+# Barrier broken.  KEYS[1] done stream; ARGV[1] JSON list of dead workers; ARGV[2] ttl s.
+# Only the first outcome counts: a completed barrier is never marked broken afterwards.
+BARRIER_BREAK = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('XADD', KEYS[1], '*', 'broken', ARGV[1])
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+end
+return 1
+"""

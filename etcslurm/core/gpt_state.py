@@ -1,0 +1,305 @@
+"""Analytic expansion of a :class:`GPTSpec` into the pieces every rank holds.
+
+This mirrors megatron-core 0.16.1 (local GPT layer spec, ``GPTModel.sharded_state_dict()``
+keys without a DDP ``module.`` prefix) so that a plan for 10k GPUs needs no GPU:
+
+* model parameters: TP-sharded as megatron's column/row-parallel layers shard them (QKV,
+  fc1 and their biases on axis 0; linear_proj and fc2 weights on axis 1; LayerNorms and
+  row-parallel biases replicated); transformer layers carry the prepended layer axis, one
+  piece per layer (each is a separate tensor on the rank);
+* plain Adam (``optimizer='adam'``): ``optimizer.state.exp_avg.<key>`` and
+  ``optimizer.state.exp_avg_sq.<key>`` (plus ``optimizer.state.fp32_param.<key>`` when the
+  params are not fp32), replicated over DP;
+* ``optimizer='distributed'``: megatron's DistributedOptimizer (ZeRO-1).  Its shards are
+  the DP-rank slices of the DDP param-and-grad buffer: params in *reverse* order, each
+  start padded to 64 elements, buckets padded to ``lcm(dp, 128)``, the shared embedding in
+  its own bucket when PP > 1; each param's owned ``flattened_range`` becomes
+  ``exp_avg``/``exp_avg_sq`` (and ``fp32_param`` for non-fp32 params) pieces via :func:`flat_range_pieces` (keys as
+  the ``fully_sharded_model_space`` format names them).
+
+Ranks with identical holdings share a *class* (plain Adam: one per (tp, pp); distributed:
+one per (tp, pp, dp)), which is what keeps the planner fast.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.models import GPTSpec
+from etcslurm.core.state import Piece, flat_range_boxes
+from etcslurm.errors import UsageError
+
+OPTIMIZERS = ("adam", "distributed")
+
+
+@dataclass(frozen=True)
+class ParamDef:
+    """One parameter tensor of a pipeline stage, as this rank holds it."""
+
+    key: str
+    box: tuple[tuple[int, int], ...]  # in global coordinates (layer axis included)
+    shared_embedding: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(hi - lo for lo, hi in self.box)
+
+
+def _split(extent: int, tp: int, tp_rank: int) -> tuple[int, int]:
+    part = extent // tp
+    return (tp_rank * part, (tp_rank + 1) * part)
+
+
+def stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int,
+                 vocab_pad_tp: int | None = None) -> list[ParamDef]:
+    """Parameters of one (tp, pp) rank in ``model.named_parameters()`` order (cached)."""
+    return list(_stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp))
+
+
+@lru_cache(maxsize=1024)
+def _stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int,
+                  vocab_pad_tp: int | None = None) -> tuple[ParamDef, ...]:
+    """Parameters of one (tp, pp) rank in ``model.named_parameters()`` order.
+
+    ``vocab_pad_tp``: pad the vocabulary as for this TP size instead of ``cfg.tp`` (a
+    runtime that keeps one embedding shape across layouts pads for the largest TP).
+    """
+    h, f, tp = spec.hidden, spec.ffn, cfg.tp
+    vocab = spec.padded_vocab(vocab_pad_tp or tp)
+    first, last = pp_rank == 0, pp_rank == cfg.pp - 1
+    def full(n: int) -> tuple[int, int]:
+        return (0, n)
+
+    out: list[ParamDef] = []
+    if first:
+        out.append(ParamDef("embedding.word_embeddings.weight",
+                            (_split(vocab, tp, tp_rank), full(h)), shared_embedding=cfg.pp > 1
+                            and spec.tied_embeddings))
+        out.append(ParamDef("embedding.position_embeddings.weight", (full(spec.seq), full(h))))
+    per_stage = spec.layers // cfg.pp
+    attn, mlp = "decoder.layers.self_attention.", "decoder.layers.mlp."
+    for layer in range(pp_rank * per_stage, (pp_rank + 1) * per_stage):
+        lay = (layer, layer + 1)
+        out.extend([
+            ParamDef(attn + "linear_qkv.layer_norm_weight", (lay, full(h))),
+            ParamDef(attn + "linear_qkv.layer_norm_bias", (lay, full(h))),
+            ParamDef(attn + "linear_proj.weight", (lay, full(h), _split(h, tp, tp_rank))),
+            ParamDef(attn + "linear_proj.bias", (lay, full(h))),
+            ParamDef(attn + "linear_qkv.weight", (lay, _split(3 * h, tp, tp_rank), full(h))),
+            ParamDef(attn + "linear_qkv.bias", (lay, _split(3 * h, tp, tp_rank))),
+            ParamDef(mlp + "linear_fc1.layer_norm_weight", (lay, full(h))),
+            ParamDef(mlp + "linear_fc1.layer_norm_bias", (lay, full(h))),
+            ParamDef(mlp + "linear_fc1.weight", (lay, _split(f, tp, tp_rank), full(h))),
+            ParamDef(mlp + "linear_fc1.bias", (lay, _split(f, tp, tp_rank))),
+            ParamDef(mlp + "linear_fc2.weight", (lay, full(h), _split(f, tp, tp_rank))),
+            ParamDef(mlp + "linear_fc2.bias", (lay, full(h))),
+        ])
+    if last:
+        out.append(ParamDef("decoder.final_layernorm.weight", (full(h),)))
+        out.append(ParamDef("decoder.final_layernorm.bias", (full(h),)))
+        if not spec.tied_embeddings:
+            out.append(ParamDef("output_layer.weight", (_split(vocab, tp, tp_rank), full(h))))
+        elif not first:
+            # tied and PP > 1: the last stage keeps a copy of the word embeddings, which
+            # megatron checkpoints under the first stage's key (replica_id (1, 0, dp)).
+            out.append(ParamDef("embedding.word_embeddings.weight",
+                                (_split(vocab, tp, tp_rank), full(h)), shared_embedding=True))
+    return tuple(out)
+
+
+def _pad(n: int, divisor: int) -> int:
+    return -(-n // divisor) * divisor
+
+
+def buffer_layout(
+    params: list[ParamDef], dp: int, bucket_size: int | None
+) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+    """megatron's ``_ParamAndGradBuffer`` layout with the distributed optimizer.
+
+    Returns ``(buckets, index)``: bucket ``(start, end)`` ranges and, for each param in
+    ``params`` order, ``(start, end, bucket_id)`` in the buffer.
+    """
+    divisor = math.lcm(dp, 128)
+    index: dict[int, tuple[int, int, int]] = {}
+    buckets: list[tuple[int, int]] = []
+    start = bucket_start = 0
+    n_in_bucket = 0
+    end = 0
+
+    def close(param_end: int) -> int:
+        nonlocal bucket_start, n_in_bucket
+        bucket_end = _pad(param_end, divisor)
+        buckets.append((bucket_start, bucket_end))
+        bucket_start = bucket_end
+        n_in_bucket = 0
+        return bucket_end
+
+    for i in range(len(params) - 1, -1, -1):
+        p = params[i]
+        start = _pad(start, 64)
+        if p.shared_embedding and n_in_bucket:
+            start = close(start)
+        end = start + p.numel
+        index[i] = (start, end, len(buckets))
+        n_in_bucket += 1
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or p.shared_embedding:
+            start = close(end)
+        else:
+            start = end
+    if n_in_bucket:
+        close(end)
+    return buckets, [index[i] for i in range(len(params))]
+
+
+def ddp_bucket_size(dp: int, pp_rank: int, overlap_grad_reduce: bool) -> int | None:
+    """megatron DDP's bucket size: none without overlap or on stages after the first."""
+    if not overlap_grad_reduce or pp_rank > 0:
+        return None
+    return max(40_000_000, 1_000_000 * dp)
+
+
+def _opt_kinds(optimizer: str, params_dtype: str) -> tuple[str, ...]:
+    # with fp32 params megatron's optimizers update the model params themselves (the
+    # distributed optimizer's main shard is a view of them): no separate fp32_param state
+    if params_dtype != "float32":
+        return ("fp32_param", "exp_avg", "exp_avg_sq")
+    return ("exp_avg", "exp_avg_sq")
+
+
+def check_optimizer(optimizer: str) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise UsageError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+
+
+@lru_cache(maxsize=256)
+def _model_block(
+    spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int, optimizer: str,
+    params_dtype: str, vocab_pad_tp: int | None,
+) -> tuple[Piece, ...]:
+    """What every DP replica of (tp, pp) holds: params (+ plain Adam's state)."""
+    params = stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp)
+    out = [Piece(p.key, p.box, params_dtype) for p in params]
+    if optimizer == "adam":
+        kinds = _opt_kinds(optimizer, params_dtype)
+        for p in params:
+            out.extend(Piece(f"optimizer.state.{k}.{p.key}", p.box, "float32") for k in kinds)
+    return tuple(out)
+
+
+def _shard_block(
+    spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int, dp_rank: int,
+    params_dtype: str, overlap_grad_reduce: bool, vocab_pad_tp: int | None,
+) -> tuple[Piece, ...]:
+    """The distributed optimizer's ZeRO-1 shard of one (tp, pp, dp) rank."""
+    params = _stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp)
+    kinds = _opt_kinds("distributed", params_dtype)
+    buckets, _, order, starts, ends = _buffer_layout_cached(
+        spec, cfg, pp_rank, overlap_grad_reduce, vocab_pad_tp)
+    out: list[Piece] = []
+    for b_start, b_end in buckets:
+        shard = (b_end - b_start) // cfg.dp
+        lo, hi = b_start + dp_rank * shard, b_start + (dp_rank + 1) * shard
+        # params in buffer order whose range meets [lo, hi)
+        k = bisect.bisect_right(ends, lo)
+        while k < len(order) and starts[k] < hi:
+            s, e = max(lo, starts[k]), min(hi, ends[k])
+            if e > s:
+                p = params[order[k]]
+                boxes = flat_range_boxes(p.box, s - starts[k], e - starts[k])
+                for kind in kinds:
+                    name = f"optimizer.state.{kind}.{p.key}"
+                    out.extend(Piece(name, b, "float32") for b in boxes)
+            k += 1
+    return tuple(out)
+
+
+@lru_cache(maxsize=256)
+def _buffer_layout_cached(spec, cfg, pp_rank, overlap_grad_reduce, vocab_pad_tp):
+    # sizes do not depend on the TP rank, so tp_rank 0 stands for all
+    params = stage_params(spec, cfg, 0, pp_rank, vocab_pad_tp)
+    buckets, index = buffer_layout(
+        params, cfg.dp, ddp_bucket_size(cfg.dp, pp_rank, overlap_grad_reduce))
+    # DistributedOptimizer order: buckets in order, params by buffer position
+    order = sorted(range(len(params)), key=lambda i: index[i][0])
+    starts = [index[i][0] for i in order]
+    ends = [index[i][1] for i in order]
+    return buckets, index, order, starts, ends
+
+
+def _class_pieces(
+    spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int, dp_rank: int | None,
+    optimizer: str, params_dtype: str, overlap_grad_reduce: bool, vocab_pad_tp: int | None = None,
+) -> tuple[Piece, ...]:
+    out = _model_block(spec, cfg, tp_rank, pp_rank, optimizer, params_dtype, vocab_pad_tp)
+    if optimizer == "adam":
+        return out
+    assert dp_rank is not None
+    return out + _shard_block(spec, cfg, tp_rank, pp_rank, dp_rank, params_dtype,
+                              overlap_grad_reduce, vocab_pad_tp)
+
+
+def rank_pieces(
+    spec: GPTSpec, cfg: ParallelConfig, rank: int, optimizer: str = "adam",
+    params_dtype: str = "float32", overlap_grad_reduce: bool = False,
+    vocab_pad_tp: int | None = None,
+) -> list[Piece]:
+    """Every piece global rank ``rank`` holds under ``cfg``."""
+    check_optimizer(optimizer)
+    c = cfg.coord(rank)
+    return list(_class_pieces(spec, cfg, c.tp, c.pp, c.dp if optimizer == "distributed" else None,
+                              optimizer, params_dtype, overlap_grad_reduce, vocab_pad_tp))
+
+
+@dataclass(frozen=True)
+class LayoutState:
+    """Holdings of every rank of a layout, grouped into classes of identical holdings.
+
+    A class is a union of *blocks* (plain Adam: one block per (tp, pp); distributed: the
+    (tp, pp) params block shared by all DP ranks plus the rank's own ZeRO-1 shard block),
+    so 8k ranks do not repeat the same pieces 8k times.
+    """
+
+    config: ParallelConfig
+    blocks: tuple[tuple[Piece, ...], ...]
+    class_blocks: tuple[tuple[int, ...], ...]
+    rank_class: tuple[int, ...]
+
+    @cached_property
+    def classes(self) -> tuple[tuple[Piece, ...], ...]:
+        return tuple(tuple(p for b in bl for p in self.blocks[b]) for bl in self.class_blocks)
+
+    def pieces(self, rank: int) -> tuple[Piece, ...]:
+        return tuple(p for b in self.class_blocks[self.rank_class[rank]] for p in self.blocks[b])
+
+
+def expand(
+    spec: GPTSpec, cfg: ParallelConfig, optimizer: str = "adam",
+    params_dtype: str = "float32", overlap_grad_reduce: bool = False,
+    vocab_pad_tp: int | None = None,
+) -> LayoutState:
+    """The holdings of every rank of ``cfg``, as classes of blocks (see module docstring)."""
+    check_optimizer(optimizer)
+    cfg.validate(spec)
+    blocks: list[tuple[Piece, ...]] = []
+    model_block: dict[tuple[int, int], int] = {}
+    for pp in range(cfg.pp):
+        for tp in range(cfg.tp):
+            model_block[(tp, pp)] = len(blocks)
+            blocks.append(_model_block(spec, cfg, tp, pp, optimizer, params_dtype, vocab_pad_tp))
+    class_blocks: list[tuple[int, ...]] = []
+    rank_class: list[int] = []
+    if optimizer == "adam":
+        class_blocks = [(i,) for i in range(len(blocks))]
+        rank_class = [model_block[(c.tp, c.pp)] for c in map(cfg.coord, range(cfg.world_size))]
+    else:
+        for rank in range(cfg.world_size):
+            c = cfg.coord(rank)
+            blocks.append(_shard_block(spec, cfg, c.tp, c.pp, c.dp, params_dtype,
+                                       overlap_grad_reduce, vocab_pad_tp))
+            class_blocks.append((model_block[(c.tp, c.pp)], len(blocks) - 1))
+            rank_class.append(rank)
+    return LayoutState(cfg, tuple(blocks), tuple(class_blocks), tuple(rank_class))

@@ -1,0 +1,668 @@
+"""The migration planner: old holdings + new needs → who plays which rank, what moves.
+
+Pure and deterministic (no torch.distributed, no clocks in the result except
+``stats.plan_seconds``): every rank replays :func:`plan` on the same
+:class:`PlanInputs` JSON and gets the same :class:`MigrationPlan`.
+
+Scale comes from *classes*: devices with identical holdings (e.g. all DP replicas of a
+(tp, pp) coordinate under plain Adam) are interchangeable, so overlaps are computed per
+class pair, factorised by the sets of classes that hold/need each distinct piece, and the
+assignment is one :func:`scipy.optimize.linear_sum_assignment` per connected component of
+the class overlap graph.
+
+Precondition (true for megatron layouts): within one layout, two distinct pieces of the
+same key are disjoint (shards are disjoint, replicas identical).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from etcslurm.core.state import (
+    Box,
+    Piece,
+    box_intersect,
+    box_numel,
+    box_subtract,
+    dtype_bytes,
+    locate,
+)
+from etcslurm.errors import UsageError
+
+__all__ = ["Message", "MigrationPlan", "PlanInputs", "locate", "plan", "plan_for_gpt"]
+
+Slice = Piece
+
+
+# --------------------------------------------------------------------------- inputs
+@dataclass
+class PlanInputs:
+    """Everything the plan depends on (what the coordinator publishes).
+
+    Holdings come as *blocks* of pieces and classes made of blocks (devices of one class
+    hold identical state), e.g. from :func:`etcslurm.core.gpt_state.expand`.  Passing
+    ``old_classes``/``new_classes`` (lists of pieces) instead makes every class one block.
+    """
+
+    old_device_class: dict[str, int] = field(default_factory=dict)  # old device → class
+    new_rank_class: list[int] = field(default_factory=list)  # new rank → class
+    nodes: dict[str, str] = field(default_factory=dict)  # every device → node name
+    leaving: list[str] = field(default_factory=list)
+    joiners: list[str] = field(default_factory=list)
+    staging_bytes: int = 512 * 2**20
+    keep_tp_in_node: bool = False
+    tp: int = 1  # new TP size (for the TP-groups-split statistic)
+    old_blocks: list[list[Piece]] | None = None
+    old_class_blocks: list[list[int]] | None = None
+    new_blocks: list[list[Piece]] | None = None
+    new_class_blocks: list[list[int]] | None = None
+    old_classes: list[list[Piece]] | None = None
+    new_classes: list[list[Piece]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.old_blocks is None:
+            if self.old_classes is None:
+                raise UsageError("PlanInputs needs old_blocks+old_class_blocks or old_classes")
+            self.old_blocks = [list(c) for c in self.old_classes]
+            self.old_class_blocks = [[i] for i in range(len(self.old_blocks))]
+        if self.new_blocks is None:
+            if self.new_classes is None:
+                raise UsageError("PlanInputs needs new_blocks+new_class_blocks or new_classes")
+            self.new_blocks = [list(c) for c in self.new_classes]
+            self.new_class_blocks = [[i] for i in range(len(self.new_blocks))]
+        self.old_classes = self.new_classes = None  # blocks are the one representation
+
+    def old_pieces(self, cls: int) -> list[Piece]:
+        """Pieces of old class ``cls``."""
+        return [p for b in self.old_class_blocks[cls] for p in self.old_blocks[b]]
+
+    def new_pieces(self, cls: int) -> list[Piece]:
+        """Pieces of new class ``cls``."""
+        return [p for b in self.new_class_blocks[cls] for p in self.new_blocks[b]]
+
+    def validate(self) -> None:
+        for d in self.leaving:
+            if d not in self.old_device_class:
+                raise UsageError(f"leaving device {d!r} is not an old device")
+        for d in self.joiners:
+            if d in self.old_device_class:
+                raise UsageError(f"joiner {d!r} is also an old device")
+        avail = len(self.old_device_class) - len(set(self.leaving)) + len(self.joiners)
+        if avail < len(self.new_rank_class):
+            raise UsageError(
+                f"the new layout needs {len(self.new_rank_class)} devices but only {avail} "
+                f"remain ({len(self.old_device_class)} old - {len(set(self.leaving))} leaving "
+                f"+ {len(self.joiners)} joining)"
+            )
+        if self.staging_bytes < 1:
+            raise UsageError("staging cap must be positive")
+        for d in (*self.old_device_class, *self.joiners):
+            if d not in self.nodes:
+                raise UsageError(f"no node given for device {d!r}")
+
+    def to_json(self) -> dict:
+        return {
+            "old_blocks": [[p.to_json() for p in c] for c in self.old_blocks],
+            "old_class_blocks": self.old_class_blocks,
+            "old_device_class": self.old_device_class,
+            "new_blocks": [[p.to_json() for p in c] for c in self.new_blocks],
+            "new_class_blocks": self.new_class_blocks,
+            "new_rank_class": list(self.new_rank_class),
+            "nodes": self.nodes,
+            "leaving": list(self.leaving),
+            "joiners": list(self.joiners),
+            "staging_bytes": self.staging_bytes,
+            "keep_tp_in_node": self.keep_tp_in_node,
+            "tp": self.tp,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> PlanInputs:
+        def pieces(key: str) -> list[list[Piece]] | None:
+            return None if key not in d else [[Piece.from_json(p) for p in c] for c in d[key]]
+
+        def ints(key: str) -> list[list[int]] | None:
+            return None if key not in d else [[int(x) for x in c] for c in d[key]]
+
+        return cls(
+            old_device_class={k: int(v) for k, v in d["old_device_class"].items()},
+            new_rank_class=[int(x) for x in d["new_rank_class"]],
+            nodes=dict(d["nodes"]),
+            leaving=list(d["leaving"]),
+            joiners=list(d["joiners"]),
+            staging_bytes=int(d["staging_bytes"]),
+            keep_tp_in_node=bool(d.get("keep_tp_in_node", False)),
+            tp=int(d.get("tp", 1)),
+            old_blocks=pieces("old_blocks"),
+            old_class_blocks=ints("old_class_blocks"),
+            new_blocks=pieces("new_blocks"),
+            new_class_blocks=ints("new_class_blocks"),
+            old_classes=pieces("old_classes"),
+            new_classes=pieces("new_classes"),
+        )
+
+
+# --------------------------------------------------------------------------- output
+@dataclass
+class Message:
+    """One coalesced transfer ``src → dst`` in ``round``; slices in canonical order."""
+
+    round: int
+    src: str
+    dst: str
+    slices: list[Slice]
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {"round": self.round, "src": self.src, "dst": self.dst,
+                "slices": [s.to_json() for s in self.slices], "nbytes": self.nbytes}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Message:
+        return cls(d["round"], d["src"], d["dst"], [Piece.from_json(s) for s in d["slices"]],
+                   d["nbytes"])
+
+
+@dataclass
+class MigrationPlan:
+    """``assignment[new_rank] = device``; messages; local copies; missing pieces; stats."""
+
+    assignment: list[str]
+    messages: list[Message]
+    local: dict[str, list[Slice]]
+    missing: dict[str, list[Slice]]  # destination device → pieces nobody holds
+    idle: list[str]
+    stats: dict
+
+    def to_json(self) -> dict:
+        return {
+            "assignment": self.assignment,
+            "messages": [m.to_json() for m in self.messages],
+            "local": {d: [s.to_json() for s in v] for d, v in self.local.items()},
+            "missing": {d: [s.to_json() for s in v] for d, v in self.missing.items()},
+            "idle": self.idle,
+            "stats": self.stats,
+        }
+
+    def dumps(self, with_time: bool = True) -> str:
+        d = self.to_json()
+        if not with_time:
+            d["stats"] = {k: v for k, v in d["stats"].items() if k != "plan_seconds"}
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, d: dict) -> MigrationPlan:
+        return cls(
+            assignment=list(d["assignment"]),
+            messages=[Message.from_json(m) for m in d["messages"]],
+            local={k: [Piece.from_json(s) for s in v] for k, v in d["local"].items()},
+            missing={k: [Piece.from_json(s) for s in v] for k, v in d["missing"].items()},
+            idle=list(d["idle"]),
+            stats=dict(d["stats"]),
+        )
+
+    def messages_for(self, device: str) -> tuple[list[Message], list[Message]]:
+        """(sends, receives) of one device, in round order."""
+        sends = [m for m in self.messages if m.src == device]
+        recvs = [m for m in self.messages if m.dst == device]
+        return sends, recvs
+
+
+def _dev_key(d: str) -> tuple[int, int]:
+    """Old ranks numerically, then joiners numerically (deterministic device order)."""
+    if d.startswith("join:"):
+        return (1, int(d[5:]))
+    return (0, int(d))
+
+
+# --------------------------------------------------------------------------- index
+class _Index:
+    """Distinct pieces of one layout, the set of blocks holding each, a per-key index."""
+
+    def __init__(self, blocks: list[list[Piece]], class_blocks: list[list[int]]):
+        self.pieces: list[Piece] = []
+        self.id: dict[Piece, int] = {}
+        holders: list[list[int]] = []
+        self.block_sets: list[frozenset[Piece]] = []
+        self.block_keys: list[dict[str, list[Piece]]] = []
+        for b, pieces in enumerate(blocks):
+            by_key: dict[str, list[Piece]] = defaultdict(list)
+            for p in pieces:
+                by_key[p.key].append(p)
+                i = self.id.get(p)
+                if i is None:
+                    i = self.id[p] = len(self.pieces)
+                    self.pieces.append(p)
+                    holders.append([])
+                if not holders[i] or holders[i][-1] != b:
+                    holders[i].append(b)
+            self.block_sets.append(frozenset(pieces))
+            self.block_keys.append(by_key)
+        self.block_bytes = [sum(p.nbytes for p in pieces) for pieces in blocks]
+        # holder block sets, interned
+        self.set_id: dict[tuple[int, ...], int] = {}
+        self.sets: list[tuple[int, ...]] = []
+        self.piece_set: list[int] = []
+        for h in holders:
+            t = tuple(h)
+            s = self.set_id.get(t)
+            if s is None:
+                s = self.set_id[t] = len(self.sets)
+                self.sets.append(t)
+            self.piece_set.append(s)
+        # classes of each block, sets of each block and class
+        self.classes_of_block: list[list[int]] = [[] for _ in blocks]
+        for c, bl in enumerate(class_blocks):
+            for blk in bl:
+                self.classes_of_block[blk].append(c)
+        sets_of_block: list[list[int]] = [[] for _ in blocks]
+        for s, members in enumerate(self.sets):
+            for blk in members:
+                sets_of_block[blk].append(s)
+        self.sets_of_class: list[list[int]] = [
+            sorted({s for blk in bl for s in sets_of_block[blk]}) for bl in class_blocks
+        ]
+        self.class_bytes = [sum(self.block_bytes[blk] for blk in bl) for bl in class_blocks]
+        by_key_all: dict[str, list[int]] = defaultdict(list)
+        for i, p in enumerate(self.pieces):
+            by_key_all[p.key].append(i)
+        self.by_key: dict[str, tuple[list[int], list[int], int]] = {}
+        for key, ids in by_key_all.items():
+            ids.sort(key=lambda i: self.pieces[i].box[0][0] if self.pieces[i].box else 0)
+            los = [self.pieces[i].box[0][0] if self.pieces[i].box else 0 for i in ids]
+            maxlen = max((self.pieces[i].box[0][1] - self.pieces[i].box[0][0])
+                         if self.pieces[i].box else 1 for i in ids)
+            self.by_key[key] = (ids, los, maxlen)
+
+    def classes_of_set(self, s: int) -> list[int]:
+        return sorted({c for blk in self.sets[s] for c in self.classes_of_block[blk]})
+
+    def overlapping(self, p: Piece) -> list[int]:
+        """Ids of distinct pieces of ``p.key`` that intersect ``p`` (sorted by id)."""
+        entry = self.by_key.get(p.key)
+        if entry is None:
+            return []
+        ids, los, maxlen = entry
+        if not p.box:
+            return [i for i in ids if self.pieces[i].box == p.box]
+        lo, hi = p.box[0]
+        start = bisect.bisect_left(los, lo - maxlen + 1)
+        stop = bisect.bisect_left(los, hi)
+        out = [i for i in ids[start:stop] if box_intersect(self.pieces[i].box, p.box) is not None]
+        return sorted(out)
+
+
+# --------------------------------------------------------------------------- planner
+def plan(inputs: PlanInputs) -> MigrationPlan:
+    """Compute the migration plan (see module docstring)."""
+    t0 = time.perf_counter()
+    inputs.validate()
+    old = _Index(inputs.old_blocks, inputs.old_class_blocks)
+    new = _Index(inputs.new_blocks, inputs.new_class_blocks)
+    leaving = set(inputs.leaving)
+    old_devices = sorted(inputs.old_device_class, key=_dev_key)
+    available = [d for d in old_devices if d not in leaving] + sorted(inputs.joiners, key=_dev_key)
+    n_new = len(inputs.new_rank_class)
+    n_oc, n_nc = len(inputs.old_class_blocks), len(inputs.new_class_blocks)
+
+    # ---- factorised overlap: (old holder set, new needer set) → bytes
+    terms: dict[tuple[int, int], int] = defaultdict(int)
+    for j, p in enumerate(new.pieces):
+        same = old.id.get(p)
+        if same is not None:
+            terms[(old.piece_set[same], new.piece_set[j])] += p.nbytes
+            continue
+        for i in old.overlapping(p):
+            box = box_intersect(old.pieces[i].box, p.box)
+            terms[(old.piece_set[i], new.piece_set[j])] += box_numel(box) * dtype_bytes(p.dtype)
+    terms_by_old: dict[int, dict[int, int]] = defaultdict(dict)
+    for (so, sn), b in terms.items():
+        terms_by_old[so][sn] = b
+
+    def overlap(oc: int | None, nc: int) -> int:
+        if oc is None:
+            return 0
+        total = 0
+        for so in old.sets_of_class[oc]:
+            row = terms_by_old.get(so)
+            if row:
+                for sn in new.sets_of_class[nc]:
+                    total += row.get(sn, 0)
+        return total
+
+    # ---- components of the class overlap graph (union-find over old+new classes)
+    parent = list(range(n_oc + n_nc))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(a: int, b: int) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+
+    old_rep: dict[int, int] = {}
+    new_rep: dict[int, int] = {}
+    for (so, sn), b in sorted(terms.items()):
+        if b <= 0:
+            continue
+        if so not in old_rep:
+            cls = old.classes_of_set(so)
+            for c in cls[1:]:
+                union(cls[0], c)
+            old_rep[so] = cls[0] if cls else -1
+        if sn not in new_rep:
+            cls = new.classes_of_set(sn)
+            for c in cls[1:]:
+                union(n_oc + cls[0], n_oc + c)
+            new_rep[sn] = n_oc + cls[0] if cls else -1
+        if old_rep[so] >= 0 and new_rep[sn] >= 0:
+            union(old_rep[so], new_rep[sn])
+
+    comp_devices: dict[int, list[str]] = defaultdict(list)
+    for d in available:
+        c = inputs.old_device_class.get(d)
+        if c is not None:
+            comp_devices[find(c)].append(d)
+    comp_ranks: dict[int, list[int]] = defaultdict(list)
+    for r, nc in enumerate(inputs.new_rank_class):
+        comp_ranks[find(n_oc + nc)].append(r)
+
+    # ---- assignment per component (maximise bytes in place)
+    assignment: list[str | None] = [None] * n_new
+    used: set[str] = set()
+    optimal_overlap = 0
+    for comp in sorted(comp_ranks):
+        ranks = comp_ranks[comp]
+        devs = comp_devices.get(comp, [])
+        if not devs:
+            continue
+        d_cls = sorted({inputs.old_device_class[d] for d in devs})
+        r_cls = sorted({inputs.new_rank_class[r] for r in ranks})
+        ri = {c: k for k, c in enumerate(r_cls)}
+        w = np.zeros((len(d_cls), len(r_cls)), dtype=np.float64)
+        row_cache: dict[int, np.ndarray] = {}
+        for a, oc in enumerate(d_cls):
+            for so in old.sets_of_class[oc]:
+                vec = row_cache.get(so)
+                if vec is None:
+                    vec = np.zeros(len(r_cls), dtype=np.float64)
+                    for sn, b in terms_by_old.get(so, {}).items():
+                        idx = [ri[c] for c in new.classes_of_set(sn) if c in ri]
+                        vec[idx] += b
+                    row_cache[so] = vec
+                w[a] += vec
+        di = {c: k for k, c in enumerate(d_cls)}
+        pairs_ab = _assign(w, [di[inputs.old_device_class[d]] for d in devs],
+                           [ri[inputs.new_rank_class[r]] for r in ranks])
+        for a, b in pairs_ab:
+            assignment[ranks[b]] = devs[a]
+            used.add(devs[a])
+            optimal_overlap += overlap(inputs.old_device_class[devs[a]],
+                                       inputs.new_rank_class[ranks[b]])
+    rest = [d for d in available if d not in used]
+    k = 0
+    for r in range(n_new):
+        if assignment[r] is None:
+            assignment[r] = rest[k]
+            k += 1
+    final: list[str] = [a for a in assignment if a is not None]
+    idle = list(rest[k:])
+
+    # ---- naive: new rank i → device "i" when it remains, else the next free device
+    naive_overlap = 0
+    avail_set = set(available)
+    naive_used = {str(r) for r in range(n_new) if str(r) in avail_set}
+    spare = iter(d for d in available if d not in naive_used)
+    for r in range(n_new):
+        d = str(r) if str(r) in avail_set else next(spare)
+        naive_overlap += overlap(inputs.old_device_class.get(d), inputs.new_rank_class[r])
+
+    # ---- sources
+    devices_of_class: dict[int, list[str]] = defaultdict(list)
+    for d in old_devices:
+        devices_of_class[inputs.old_device_class[d]].append(d)
+    cand_cache: dict[int, list[str]] = {}
+
+    def candidates(s: int) -> list[str]:
+        hit = cand_cache.get(s)
+        if hit is None:
+            hit = sorted((d for c in old.classes_of_set(s) for d in devices_of_class[c]),
+                         key=_dev_key)
+            cand_cache[s] = hit
+        return hit
+
+    frag_cache: dict[tuple, tuple] = {}
+    new_block_keys = [set(k) for k in new.block_keys]
+    old_block_keys = [set(k) for k in old.block_keys]
+
+    def fragments(held_blocks: tuple[int, ...], nb: int):
+        """(local, local_bytes, remote [(slice, old piece id)], missing, missing_bytes)."""
+        rel = tuple(b for b in held_blocks if not old_block_keys[b].isdisjoint(new_block_keys[nb]))
+        key = (rel, nb)
+        hit = frag_cache.get(key)
+        if hit is not None:
+            return hit
+        held_sets = [old.block_sets[b] for b in rel]
+        local: list[Piece] = []
+        remote: list[tuple[Piece, int]] = []
+        missing: list[Piece] = []
+        for p in inputs.new_blocks[nb]:
+            if any(p in hs for hs in held_sets):
+                local.append(p)
+                continue
+            regions: list[Box] = [p.box]
+            for h in sorted(h for b in rel for h in old.block_keys[b].get(p.key, ())):
+                nxt: list[Box] = []
+                for r in regions:
+                    inter = box_intersect(r, h.box)
+                    if inter is None:
+                        nxt.append(r)
+                    else:
+                        local.append(Piece(p.key, inter, p.dtype))
+                        nxt.extend(box_subtract(r, h.box))
+                regions = nxt
+            if not regions:
+                continue
+            for i in old.overlapping(p):
+                h = old.pieces[i]
+                nxt = []
+                for r in regions:
+                    inter = box_intersect(r, h.box)
+                    if inter is None:
+                        nxt.append(r)
+                    else:
+                        remote.append((Piece(p.key, inter, p.dtype), i))
+                        nxt.extend(box_subtract(r, h.box))
+                regions = nxt
+                if not regions:
+                    break
+            missing.extend(Piece(p.key, r, p.dtype) for r in regions)
+        hit = (local, sum(p.nbytes for p in local), remote, missing,
+               sum(p.nbytes for p in missing))
+        frag_cache[key] = hit
+        return hit
+
+    send_load: dict[str, int] = defaultdict(int)
+    pairs: dict[tuple[str, str], list[Piece]] = defaultdict(list)
+    local_out: dict[str, list[Piece]] = {}
+    missing_out: dict[str, list[Piece]] = {}
+    local_bytes = missing_bytes = 0
+    nodes = inputs.nodes
+    for r in range(n_new):
+        d = final[r]
+        nc = inputs.new_rank_class[r]
+        oc = inputs.old_device_class.get(d)
+        held_blocks = tuple(inputs.old_class_blocks[oc]) if oc is not None else ()
+        node = nodes[d]
+        for nb in inputs.new_class_blocks[nc]:
+            loc, lb, rem, miss, mb = fragments(held_blocks, nb)
+            if loc:
+                local_out.setdefault(d, []).extend(loc)
+                local_bytes += lb
+            if miss:
+                missing_out.setdefault(d, []).extend(miss)
+                missing_bytes += mb
+            for frag, i in rem:
+                cands = candidates(old.piece_set[i])
+                if len(cands) == 1:
+                    src = cands[0]
+                else:
+                    src = min(cands, key=lambda h: (nodes[h] != node, send_load[h], _dev_key(h)))
+                send_load[src] += frag.nbytes
+                pairs[(src, d)].append(frag)
+    need_bytes = sum(new.class_bytes[c] for c in inputs.new_rank_class)
+
+    # ---- coalesce, split under the cap, schedule rounds
+    cap = inputs.staging_bytes
+    chunks: list[tuple[str, str, list[Piece], int]] = []
+    for (src, dst) in sorted(pairs, key=lambda sd: (_dev_key(sd[0]), _dev_key(sd[1]))):
+        slices = sorted(pairs[(src, dst)])
+        cur: list[Piece] = []
+        cur_bytes = 0
+        for sl in slices:
+            for part in _split_to_cap(sl, cap):
+                if cur and cur_bytes + part.nbytes > cap:
+                    chunks.append((src, dst, cur, cur_bytes))
+                    cur, cur_bytes = [], 0
+                cur.append(part)
+                cur_bytes += part.nbytes
+        if cur:
+            chunks.append((src, dst, cur, cur_bytes))
+    order = sorted(range(len(chunks)),
+                   key=lambda k: (chunks[k][0] not in leaving, _dev_key(chunks[k][0]),
+                                  _dev_key(chunks[k][1]), k))
+    send_next: dict[str, int] = defaultdict(int)
+    recv_next: dict[str, int] = defaultdict(int)
+    messages: list[Message] = []
+    for k in order:
+        src, dst, slices, nbytes = chunks[k]
+        rnd = max(send_next[src], recv_next[dst])
+        send_next[src] = recv_next[dst] = rnd + 1
+        messages.append(Message(rnd, src, dst, slices, nbytes))
+    messages.sort(key=lambda m: (m.round, _dev_key(m.src), _dev_key(m.dst)))
+
+    moved = sum(m.nbytes for m in messages)
+    inter = sum(m.nbytes for m in messages if nodes[m.src] != nodes[m.dst])
+    sent: dict[str, int] = defaultdict(int)
+    recv: dict[str, int] = defaultdict(int)
+    for m in messages:
+        sent[m.src] += m.nbytes
+        recv[m.dst] += m.nbytes
+    state_bytes = sum(old.class_bytes[c] for c in inputs.old_device_class.values())
+    stats = {
+        "state_bytes": state_bytes,
+        "needed_bytes": need_bytes,
+        "moved_bytes": moved,
+        "local_bytes": local_bytes,
+        "inter_node_bytes": inter,
+        "lower_bound_moved_bytes": need_bytes - optimal_overlap - missing_bytes,
+        "naive_moved_bytes": need_bytes - naive_overlap - missing_bytes,
+        "missing_bytes": missing_bytes,
+        "messages": len(messages),
+        "rounds": 1 + max((m.round for m in messages), default=-1),
+        "max_send_bytes": max(sent.values(), default=0),
+        "max_recv_bytes": max(recv.values(), default=0),
+        "peak_staging_bytes": max((m.nbytes for m in messages), default=0),
+        "tp_groups_split_across_nodes": _tp_split(final, inputs),
+        "plan_seconds": round(time.perf_counter() - t0, 6),
+    }
+    return MigrationPlan(final, messages, local_out, missing_out, idle, stats)
+
+
+def _assign(w: np.ndarray, dev_cls: list[int], rank_cls: list[int]) -> list[tuple[int, int]]:
+    """Max-weight matching of devices to ranks where device a of class ``dev_cls[a]`` gains
+    ``w[dev_cls[a], rank_cls[b]]`` on rank b; only pairs with a positive gain are returned.
+
+    Dense :func:`scipy.optimize.linear_sum_assignment` on the device × rank matrix (exact);
+    classes make its rows/columns repeat, which the solver handles fast.
+    """
+    m = w[np.ix_(dev_cls, rank_cls)]
+    rows, cols = linear_sum_assignment(m, maximize=True)
+    return [(a, b) for a, b in zip(rows.tolist(), cols.tolist(), strict=True) if m[a, b] > 0]
+
+
+def _tp_split(assignment: list[str], inputs: PlanInputs) -> int:
+    tp = max(1, inputs.tp)
+    return sum(
+        len({inputs.nodes[d] for d in assignment[g:g + tp]}) > 1
+        for g in range(0, len(assignment), tp)
+    )
+
+
+def _split_to_cap(p: Piece, cap: int) -> list[Piece]:
+    """Split a slice into boxes of at most ``cap`` bytes (rows of the outermost axis that
+    has more than one index first); each part stays inside the original slice."""
+    if p.nbytes <= cap:
+        return [p]
+    box = p.box
+    axis = next((i for i, (lo, hi) in enumerate(box) if hi - lo > 1), None)
+    if axis is None:  # a single element larger than the cap
+        return [p]
+    lo, hi = box[axis]
+    row_bytes = p.nbytes // (hi - lo)
+    if row_bytes > cap:
+        out = []
+        for i in range(lo, hi):
+            sub = (*box[:axis], (i, i + 1), *box[axis + 1:])
+            out.extend(_split_to_cap(Piece(p.key, sub, p.dtype), cap))
+        return out
+    step = max(1, cap // row_bytes)
+    return [Piece(p.key, (*box[:axis], (i, min(hi, i + step)), *box[axis + 1:]), p.dtype)
+            for i in range(lo, hi, step)]
+
+
+# --------------------------------------------------------------------------- GPT helper
+def gpt_inputs(
+    spec, old, new, leaving=(), joiners: int = 0, gpus_per_node: int = 8,
+    optimizer: str = "adam", staging_bytes: int = 512 * 2**20, params_dtype: str = "float32",
+    keep_tp_in_node: bool = False, vocab_pad_tp: int | None = None,
+) -> PlanInputs:
+    """:class:`PlanInputs` for a GPT spec moving from layout ``old`` to ``new``.
+
+    Old devices are ``"0".."N-1"`` on nodes ``n{rank // gpus_per_node}``; joiners
+    ``join:k`` fill new nodes ``j{k // gpus_per_node}``.
+    """
+    from etcslurm.core.gpt_state import expand
+
+    a = expand(spec, old, optimizer, params_dtype, vocab_pad_tp=vocab_pad_tp)
+    b = expand(spec, new, optimizer, params_dtype, vocab_pad_tp=vocab_pad_tp)
+    n_old = old.world_size
+    for d in leaving:
+        if not 0 <= int(d) < n_old:
+            raise UsageError(f"leaving device {d} is out of range 0-{n_old - 1}")
+    nodes = {str(r): f"n{r // gpus_per_node}" for r in range(n_old)}
+    join_ids = [f"join:{k}" for k in range(joiners)]
+    nodes.update({j: f"j{k // gpus_per_node}" for k, j in enumerate(join_ids)})
+    return PlanInputs(
+        old_blocks=[list(x) for x in a.blocks],
+        old_class_blocks=[list(x) for x in a.class_blocks],
+        old_device_class={str(r): a.rank_class[r] for r in range(n_old)},
+        new_blocks=[list(x) for x in b.blocks],
+        new_class_blocks=[list(x) for x in b.class_blocks],
+        new_rank_class=list(b.rank_class),
+        nodes=nodes,
+        leaving=sorted({str(int(d)) for d in leaving}, key=int),
+        joiners=join_ids,
+        staging_bytes=staging_bytes,
+        keep_tp_in_node=keep_tp_in_node,
+        tp=new.tp,
+    )
+
+
+def plan_for_gpt(spec, old, new, leaving=(), joiners: int = 0, gpus_per_node: int = 8,
+                 optimizer: str = "adam", staging_bytes: int = 512 * 2**20,
+                 params_dtype: str = "float32", vocab_pad_tp: int | None = None) -> MigrationPlan:
+    """Convenience: :func:`gpt_inputs` then :func:`plan`."""
+    return plan(gpt_inputs(spec, old, new, leaving, joiners, gpus_per_node, optimizer,
+                           staging_bytes, params_dtype, vocab_pad_tp=vocab_pad_tp))

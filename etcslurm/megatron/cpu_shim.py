@@ -1,0 +1,195 @@
+"""Run megatron-core's CUDA-only code paths on a CPU-only torch build.
+
+Why: megatron-core hard-codes CUDA in a few places that our CPU + gloo tests and
+benchmarks reach (``torch.cuda.current_device()``, ``device='cuda'`` factories,
+``p.type() == 'torch.cuda.FloatTensor'`` in the optimizers and grad clipping, CUDA RNG
+helpers, streams and events).  This module patches exactly those and nothing else, and
+only when no CUDA device is present: on a GPU machine :func:`install_if_needed` does
+nothing, so the same adapter code runs unchanged with NCCL.
+
+Two pieces:
+
+1. ``torch.cuda`` functions: ``current_device() -> 0``; ``synchronize``/``empty_cache``/
+   ``set_device`` no-ops; the CUDA RNG functions mapped onto the CPU generator (megatron's
+   RNG tracker then tracks CPU generator states); null streams and events.  Not
+   ``torch.cuda.manual_seed_all``: ``torch.manual_seed`` calls it (infinite recursion).
+2. :class:`CudaToCpuMode`, a ``TorchFunctionMode`` that rewrites ``device='cuda'`` /
+   integer devices to CPU, makes ``Tensor.cuda()`` a no-op and makes ``Tensor.type()``
+   report ``torch.cuda.*`` (the optimizers branch on it).  A torch function mode is per
+   thread: call :func:`install_if_needed` in the main thread of every worker before any
+   megatron code runs.  Worker threads that run megatron code need :func:`thread_mode`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+_MODE: CudaToCpuMode | None = None
+#: what :func:`install` patched, for logs and tests
+PATCHED: list[str] = []
+
+
+def _fix_device(device: Any) -> Any:
+    """Map a CUDA device (``'cuda'``, ``'cuda:1'``, ``torch.device('cuda')``, ``0``) to CPU."""
+    if isinstance(device, bool):
+        return device
+    if isinstance(device, int):
+        return _CPU
+    if isinstance(device, str):
+        return _CPU if device.startswith("cuda") else device
+    if isinstance(device, torch.device):
+        return _CPU if device.type == "cuda" else device
+    return device
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Redirect CUDA devices of tensor factories and ``Tensor.to`` to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _fix_device(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if (
+            func is torch.Tensor.to
+            and len(args) > 1
+            and isinstance(args[1], str | int | torch.device)
+            and not isinstance(args[1], bool)
+        ):
+            args = (args[0], _fix_device(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullEvent:
+    """Stands in for ``torch.cuda.Event``: CPU work is already complete when it returns."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+class _NullStream:
+    """Stands in for ``torch.cuda.Stream`` (and the ``torch.cuda.stream`` context)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, *args: Any, **kwargs: Any) -> _NullEvent:
+        return _NullEvent()
+
+    def __enter__(self) -> _NullStream:
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+def needed() -> bool:
+    """True when there is no usable CUDA device (then the shim must be installed)."""
+    return not torch.cuda.is_available()
+
+
+def installed() -> bool:
+    return _MODE is not None
+
+
+def install() -> list[str]:
+    """Install the patches and push the mode in this thread (idempotent)."""
+    global _MODE
+    if _MODE is not None:
+        return PATCHED
+    cuda = torch.cuda
+
+    def patch(name: str, value: Any) -> None:
+        setattr(cuda, name, value)
+        PATCHED.append(f"torch.cuda.{name}")
+
+    patch("current_device", lambda: 0)
+    patch("synchronize", lambda *a, **k: None)
+    patch("empty_cache", lambda *a, **k: None)
+    patch("set_device", lambda *a, **k: None)
+    patch("get_rng_state", lambda *a, **k: torch.get_rng_state())
+    patch("set_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    patch("manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)))
+    patch("current_stream", lambda *a, **k: _NullStream())
+    patch("default_stream", lambda *a, **k: _NullStream())
+    patch("stream", lambda *a, **k: _NullStream())
+    patch("Stream", _NullStream)
+    patch("Event", _NullEvent)
+    torch.cuda.random.get_rng_state = cuda.get_rng_state  # megatron's random.py uses it
+    PATCHED.append("torch.cuda.random.get_rng_state")
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def _get_state(*args: Any, clone: bool = False, **kwargs: Any) -> torch.Tensor:
+        state = torch.get_rng_state()
+        return state.clone() if clone else state
+
+    mrandom._get_cuda_rng_state = _get_state
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    PATCHED.append("megatron.core.tensor_parallel.random._get/_set_cuda_rng_state")
+
+    _MODE = CudaToCpuMode()
+    _MODE.__enter__()
+    PATCHED.append("TorchFunctionMode cuda->cpu (main thread)")
+    return PATCHED
+
+
+def install_if_needed() -> bool:
+    """Install the shim when no CUDA GPU is present; returns whether it is active."""
+    if installed():
+        return True
+    if not needed():
+        return False
+    install()
+    return True
+
+
+@contextlib.contextmanager
+def thread_mode() -> Iterator[None]:
+    """The cuda→cpu mode for a thread other than the one that installed the shim."""
+    if _MODE is None:
+        yield
+        return
+    with CudaToCpuMode():
+        yield
+
+
+def device() -> torch.device:
+    """The device training tensors live on: this process's GPU, else the CPU."""
+    if installed() or not torch.cuda.is_available():
+        return _CPU
+    return torch.device("cuda", torch.cuda.current_device())

@@ -1,0 +1,298 @@
+"""Build a megatron-core GPT model and its optimizer for the current layout.
+
+Why these settings: migration must be exact to the bit and losses must be comparable
+across layouts, so the model is deterministic (dropout 0), uses megatron-core's local spec
+(no Transformer Engine/Apex needed, runs on CPU), a plain GELU MLP (what
+``core.gpt_state`` expands analytically), ``use_cpu_initialization=True`` (the same
+initial weights for every TP split of one seed), and a vocabulary padded independently of
+TP (:func:`padded_vocab`), so every global tensor has the same shape in every layout.
+
+The optimizer is megatron's own (``get_megatron_optimizer``, Adam; plain or
+``use_distributed_optimizer=True``) behind megatron's DDP wrapper; its state is
+initialised at build time (:func:`init_optimizer_state`) so a freshly built optimizer
+already has every tensor a migration writes into.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.models import GPTSpec
+from etcslurm.errors import UsageError
+from etcslurm.megatron import cpu_shim
+
+OPTIMIZERS = ("adam", "distributed")
+#: TP sizes up to this share one padded vocabulary (megatron pads per TP otherwise,
+#: which would change the embedding's global shape across a TP change)
+VOCAB_TP_MULTIPLE = 8
+
+
+def padded_vocab(spec: GPTSpec) -> int:
+    """The embedding's row count in every layout: a multiple of 128·8 = 1024."""
+    return spec.padded_vocab(VOCAB_TP_MULTIPLE)
+
+
+@dataclass(frozen=True)
+class TrainHyper:
+    """Optimizer and schedule settings (identical in every layout of a run)."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 2
+    decay_steps: int = 1000
+    global_batch: int = 8
+    micro_batch: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Trainee:
+    """One rank's model chunks, optimizer and scheduler, plus what they were built for.
+
+    Unpacks as ``model, optimizer, scheduler = build_gpt(...)``.
+    """
+
+    model: list[torch.nn.Module]
+    optimizer: Any
+    scheduler: Any
+    spec: GPTSpec
+    config: ParallelConfig
+    optimizer_kind: str
+    seed: int
+    dtype: torch.dtype
+    hyper: TrainHyper
+    iteration: int = 0
+    consumed_samples: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.model, self.optimizer, self.scheduler))
+
+    @property
+    def distributed(self) -> bool:
+        return self.optimizer_kind == "distributed"
+
+    def modules(self) -> list[torch.nn.Module]:
+        """The unwrapped model chunks (GPTModel): their sharded_state_dict keys are
+        megatron's canonical keys (the DDP wrapper would prefix ``module.``)."""
+        return [getattr(chunk, "module", chunk) for chunk in self.model]
+
+    def inner_optimizers(self) -> list[Any]:
+        """The megatron optimizers (a ChainedOptimizer holds one per param kind)."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+
+def transformer_config(spec: GPTSpec, config: ParallelConfig, dtype: torch.dtype) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.layers,
+        hidden_size=spec.hidden,
+        num_attention_heads=spec.heads,
+        ffn_hidden_size=spec.ffn,
+        tensor_model_parallel_size=config.tp,
+        pipeline_model_parallel_size=config.pp,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gated_linear_unit=False,
+        activation_func=F.gelu,
+        add_bias_linear=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        init_method_std=0.02,
+        sequence_parallel=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+
+
+def build_gpt(
+    spec: GPTSpec,
+    config: ParallelConfig,
+    optimizer: str = "adam",
+    seed: int = 1234,
+    dtype: torch.dtype = torch.float32,
+    hyper: TrainHyper | None = None,
+) -> Trainee:
+    """Model chunks (DDP-wrapped), megatron optimizer and LR scheduler for this rank.
+
+    ``parallel_state`` must already be initialised for ``config``
+    (:func:`etcslurm.megatron.parallel.init_parallel`).  Same ``seed`` → same global
+    weights in every layout.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise UsageError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    config.validate(spec)
+    cpu_shim.install_if_needed()
+    hyper = hyper or TrainHyper()
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if parallel_state.get_tensor_model_parallel_world_size() != config.tp or (
+        parallel_state.get_pipeline_model_parallel_world_size() != config.pp
+    ):
+        raise UsageError(f"parallel_state is not initialised for {config}")
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    tcfg = transformer_config(spec, config, dtype)
+    gpt = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=padded_vocab(spec),
+        max_sequence_length=spec.seq,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.tied_embeddings,
+        position_embedding_type="learned_absolute",
+    )
+    gpt.to(cpu_shim.device())
+    distributed = optimizer == "distributed"
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed,
+        check_for_nan_in_grad=False,
+    )
+    model = [DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=gpt)]
+    # as megatron-LM's training loop does: without these the schedule never reduces
+    # gradients over DP nor the tied embedding/output weights between first and last stage
+    from megatron.core.distributed import finalize_model_grads
+
+    tcfg.finalize_model_grads_func = finalize_model_grads
+    tcfg.no_sync_func = model[0].no_sync
+    t_model = time.perf_counter()
+    ocfg = OptimizerConfig(
+        optimizer="adam",
+        lr=hyper.lr,
+        min_lr=hyper.min_lr,
+        weight_decay=hyper.weight_decay,
+        adam_beta1=hyper.adam_beta1,
+        adam_beta2=hyper.adam_beta2,
+        adam_eps=hyper.adam_eps,
+        clip_grad=hyper.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=distributed,
+    )
+    # parallel.init_model_parallel creates megatron's extra gloo groups only on NCCL
+    gloo_groups = torch.distributed.get_backend() != "gloo"
+    opt = get_megatron_optimizer(ocfg, model, use_gloo_process_groups=gloo_groups)
+    scheduler = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=hyper.lr,
+        min_lr=hyper.min_lr,
+        lr_warmup_steps=hyper.warmup_steps * hyper.global_batch,
+        lr_decay_steps=hyper.decay_steps * hyper.global_batch,
+        lr_decay_style="cosine",
+        start_wd=hyper.weight_decay,
+        end_wd=hyper.weight_decay,
+        wd_incr_steps=hyper.decay_steps * hyper.global_batch,
+        wd_incr_style="constant",
+    )
+    trainee = Trainee(model, opt, scheduler, spec, config, optimizer, seed, dtype, hyper)
+    init_optimizer_state(trainee)
+    t_end = time.perf_counter()
+    trainee.timings.update(build_model_s=t_model - t0, build_optimizer_s=t_end - t_model)
+    return trainee
+
+
+def init_optimizer_state(trainee: Trainee) -> None:
+    """Create every Adam state tensor (zeros, ``step`` 0 — one tensor PER param).
+
+    Why: torch Adam creates its state lazily at the first step, but migration and
+    checkpoint loading write into the state of a freshly built optimizer.  Unlike
+    megatron's ``_init_optimizer_states_with_dummy_values`` this runs no optimizer step,
+    so weights stay untouched.
+    """
+    for mopt in trainee.inner_optimizers():
+        inner = mopt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if "step" not in state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+    fix_step_alias(trainee.optimizer)
+
+
+def fix_step_alias(optimizer: Any) -> int:
+    """Give every param its own Adam ``step`` tensor; returns how many were shared.
+
+    Why: DistributedOptimizer.load_state_dict (torch-Adam fallback, no Apex/TE) assigns
+    ONE ``step`` tensor to every param; Adam then increments it once per param per step
+    and bias correction goes silently wrong (loss off by ~1e-2 after one step).
+    """
+    shared = 0
+    for mopt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        by_id: dict[int, list[dict]] = {}
+        for state in mopt.optimizer.state.values():
+            step = state.get("step")
+            if torch.is_tensor(step):
+                by_id.setdefault(id(step), []).append(state)
+        for states in by_id.values():
+            if len(states) > 1:
+                shared += len(states)
+                for state in states:
+                    state["step"] = state["step"].clone()
+    return shared
+
+
+_DISTOPT_PATCHED = False
+
+
+def patch_distopt_step_keyerror() -> None:
+    """Let DistributedOptimizer load ``fully_reshardable`` state on the torch-Adam fallback.
+
+    Why: ``_set_main_param_and_optimizer_states`` iterates the live Adam state (which has
+    ``step``) while the loaded dict has no ``step`` → ``KeyError: 'step'``.  Keys missing
+    from the source keep their live value (the scalars restore ``step`` afterwards).
+    """
+    global _DISTOPT_PATCHED
+    if _DISTOPT_PATCHED:
+        return
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    original = dopt.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def patched(self: Any, model_param: Any, tensors: dict) -> Any:
+        gi, go = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[gi]["params"][go]
+        merged = dict(tensors)
+        for key, value in self.optimizer.state.get(main_param, {}).items():
+            if key not in merged and torch.is_tensor(value):
+                merged[key] = value.clone()
+        return original(self, model_param, merged)
+
+    dopt.DistributedOptimizer._set_main_param_and_optimizer_states = patched
+    _DISTOPT_PATCHED = True

@@ -1,0 +1,162 @@
+"""torch.distributed + megatron-core ``parallel_state`` for one layout, rebuilt in place.
+
+Why this module: an elastic job changes its world and its TP/PP/DP layout many times in
+the same processes.  ``parallel_state.destroy_model_parallel()`` only clears megatron's
+globals and leaks every process group it created (~20 per rebuild; teardown slows to
+over a second after ~100 rebuilds).  :func:`teardown` destroys every group megatron-core
+created (its ``_global_process_group_list``), then the default group; :func:`init_parallel`
+starts the next world on a fresh ``PrefixStore(f"gen{generation}", store)`` over ONE
+long-lived store (e.g. the coordinator's Redis store or a ``TCPStore``), so keys of an
+old generation can never be mistaken for the new one.  Subgroups are created with all
+ranks participating (``use_local_synchronization=True`` can hang in gloo).
+
+The transfer engineer's ``etcslurm/transfer/groups.py`` builds the union world used while
+state moves; it calls :func:`init_world`/:func:`teardown` from here so there is one
+lifecycle implementation.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.errors import LayoutError
+from etcslurm.megatron import cpu_shim
+
+log = logging.getLogger(__name__)
+
+#: default timeout of every collective of a generation (a lost peer surfaces as an error)
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def default_backend() -> str:
+    """``nccl`` when this process has a GPU, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() and not cpu_shim.installed() else "gloo"
+
+
+def init_world(
+    rank: int,
+    world_size: int,
+    store: dist.Store,
+    generation: int,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> float:
+    """Start the default process group of ``generation``; returns the seconds it took.
+
+    Tears down any previous world first (megatron groups included).
+    """
+    if not 0 <= rank < world_size:
+        raise LayoutError(f"rank {rank} is outside a world of {world_size}")
+    teardown()
+    t0 = time.perf_counter()
+    backend = backend or default_backend()
+    if backend == "nccl" and torch.cuda.is_available():
+        torch.cuda.set_device(torch.cuda.current_device())
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore(f"gen{generation}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=_dt.timedelta(seconds=timeout_s),
+    )
+    return time.perf_counter() - t0
+
+
+def init_model_parallel(config: ParallelConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Create megatron-core's groups for ``config`` on the current default world."""
+    from megatron.core import parallel_state
+
+    world = dist.get_world_size()
+    if config.world_size != world:
+        raise LayoutError(f"layout {config} needs {config.world_size} ranks, the world has {world}")
+    gloo = dist.get_backend() == "gloo"
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=config.tp,
+        pipeline_model_parallel_size=config.pp,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        # the default backend is gloo already: megatron's extra gloo groups would only
+        # double the groups (and threads) per rebuild
+        create_gloo_process_groups=not gloo,
+    )
+    # megatron's RNG tracker must exist before a model is built; seeded by build_gpt
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def init_parallel(
+    config: ParallelConfig,
+    rank: int,
+    world_size: int,
+    store: dist.Store,
+    generation: int,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> float:
+    """Start the world of ``generation`` and megatron's groups for ``config``.
+
+    Returns the seconds taken.  Call :func:`cpu_shim.install_if_needed` before (done here).
+    """
+    cpu_shim.install_if_needed()
+    if config.world_size != world_size:
+        raise LayoutError(f"layout {config} needs {config.world_size} ranks, not {world_size}")
+    t0 = time.perf_counter()
+    init_world(rank, world_size, store, generation, backend, timeout_s)
+    init_model_parallel(config, timeout_s)
+    return time.perf_counter() - t0
+
+
+def rebuild_parallel(
+    config: ParallelConfig,
+    rank: int,
+    world_size: int,
+    store: dist.Store,
+    generation: int,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> float:
+    """Tear the current world down and start ``config`` in the same process (``generation``
+    must be new: its store prefix must not have been used)."""
+    return init_parallel(config, rank, world_size, store, generation, backend, timeout_s)
+
+
+def megatron_groups() -> list[dist.ProcessGroup]:
+    """The process groups megatron-core created in this process (not the default group)."""
+    from megatron.core import parallel_state
+
+    groups = parallel_state._global_process_group_list or []
+    return [g for g in groups if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER]
+
+
+def teardown() -> float:
+    """Destroy megatron's groups, its globals and the default group; seconds taken.
+
+    Safe to call when nothing is initialised.  Model tensors (and views of them) stay
+    valid: only communicators go.
+    """
+    from megatron.core import parallel_state
+
+    t0 = time.perf_counter()
+    if dist.is_initialized():
+        for group in megatron_groups():
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError) as exc:  # already gone
+                log.debug("destroying a megatron group failed: %s", exc)
+    parallel_state.destroy_model_parallel()
+    # megatron's global memory buffer and RNG tracker belong to the old layout
+    try:
+        from megatron.core.tensor_parallel import random as mrandom
+
+        mrandom.initialize_rng_tracker(force_reset=True)
+    except Exception as exc:  # pragma: no cover - older megatron
+        log.debug("rng tracker reset failed: %s", exc)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return time.perf_counter() - t0

@@ -1,0 +1,122 @@
+"""Deterministic synthetic training, identical in every layout.
+
+Why: loss continuity across a migration can only be checked when any layout can take any
+global batch.  Sample ``i`` of the dataset is a pure function of ``(seed, i)``
+(:func:`sample`); step ``t`` uses samples ``[t·B, (t+1)·B)`` of a global batch ``B`` that
+stays constant across layouts: each DP rank takes ``B / dp`` consecutive samples as
+micro-batches (gradient accumulation), so a smaller DP means more micro-batches per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import torch
+
+from etcslurm.errors import LayoutError
+from etcslurm.megatron.model import Trainee
+
+
+def sample(seed: int, index: int, seq: int, vocab: int) -> torch.Tensor:
+    """Tokens of sample ``index``: ``seq + 1`` ids below ``vocab`` (pure in seed, index)."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + index) % (2**63 - 1))
+    return torch.randint(0, vocab, (seq + 1,), generator=gen, dtype=torch.int64)
+
+
+def micro_batches(trainee: Trainee, step: int, data_seed: int | None = None) -> Iterator[dict]:
+    """This DP rank's micro-batches of global step ``step``."""
+    from megatron.core import parallel_state
+
+    hyper, spec = trainee.hyper, trainee.spec
+    dp = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    per_rank = hyper.global_batch // dp
+    seed = trainee.seed if data_seed is None else data_seed
+    base = step * hyper.global_batch + dp_rank * per_rank
+    mask = torch.tril(torch.ones(1, 1, spec.seq, spec.seq)) < 0.5
+    positions = torch.arange(spec.seq).unsqueeze(0).expand(hyper.micro_batch, -1)
+    for m in range(per_rank // hyper.micro_batch):
+        first = base + m * hyper.micro_batch
+        tokens = torch.stack(
+            [sample(seed, first + j, spec.seq, spec.vocab) for j in range(hyper.micro_batch)]
+        )
+        yield {
+            "tokens": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "position_ids": positions,
+            "attention_mask": mask,
+        }
+
+
+def num_microbatches(trainee: Trainee) -> int:
+    """Micro-batches per DP rank per step that keep the global batch constant."""
+    hyper, dp = trainee.hyper, trainee.config.dp
+    if hyper.global_batch % (dp * hyper.micro_batch):
+        raise LayoutError(
+            f"global batch {hyper.global_batch} is not a multiple of dp={dp} × micro batch "
+            f"{hyper.micro_batch}"
+        )
+    return hyper.global_batch // (dp * hyper.micro_batch)
+
+
+def _loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = output.float().mean()
+    # clone: megatron divides the returned loss in place by the micro-batch count
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+    )
+    return output, partial(_loss_func)
+
+
+def train_step(trainee: Trainee, data_seed: int | None = None) -> float:
+    """One optimizer step on global step ``trainee.iteration``; the global mean loss.
+
+    Every rank returns the same value (a float64 sum over the last pipeline stage's
+    micro-batch losses, all-reduced over the world, divided by the global batch).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    spec, hyper = trainee.spec, trainee.hyper
+    n_micro = num_microbatches(trainee)
+    for chunk in trainee.model:
+        chunk.zero_grad_buffer()
+    trainee.optimizer.zero_grad()
+    forward_backward = get_forward_backward_func()
+    losses = forward_backward(
+        forward_step_func=_forward_step,
+        data_iterator=micro_batches(trainee, trainee.iteration, data_seed),
+        model=trainee.model,
+        num_microbatches=n_micro,
+        seq_length=spec.seq,
+        micro_batch_size=hyper.micro_batch,
+        decoder_seq_length=spec.seq,
+        forward_only=False,
+    )
+    ok, _grad_norm, _zeros = trainee.optimizer.step()
+    if not ok:
+        raise RuntimeError(f"optimizer step {trainee.iteration} was skipped (inf/nan grads)")
+    if trainee.scheduler is not None:
+        trainee.scheduler.step(increment=hyper.global_batch)
+    total = torch.zeros(1, dtype=torch.float64)
+    if (
+        parallel_state.is_pipeline_last_stage()
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+    ):
+        total += sum(float(d["lm loss"]) for d in losses)
+    dist.all_reduce(total)
+    trainee.iteration += 1
+    trainee.consumed_samples += hyper.global_batch
+    micro_total = hyper.global_batch // hyper.micro_batch
+    return float(total.item() / micro_total)

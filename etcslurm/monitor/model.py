@@ -1,0 +1,758 @@
+"""The monitor's view model: fold the coordinator's event stream and keys into a RunView.
+
+Pure: no Redis, no terminal, no clock of its own (``now`` is passed in), so the same fold
+drives the live view, ``etcslurm status --json`` and the tests.  Every field of an event
+payload is optional and unknown event types become a generic log line: an older or newer
+runtime must never crash the monitor.  The payloads are specified in ``docs/monitor.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal as _signal
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: Events kept in the log (the live view shows the newest that fit).
+LOG_LINES = 200
+#: Losses kept for the trend sparkline.
+LOSS_HISTORY = 32
+
+STATES = ("active", "joining", "leaving", "gone")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of ``etcslurm:{run}:events``: stream id, ``type``, ``ts``, decoded ``data``."""
+
+    id: str
+    type: str
+    ts: float
+    data: dict[str, Any]
+
+
+@dataclass
+class DeviceView:
+    """One worker (a device) and the rank it plays in the current generation."""
+
+    worker: str
+    node: str
+    state: str
+    rank: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    seconds_left: float | None = None
+
+
+@dataclass
+class NodeView:
+    name: str
+    devices: list[DeviceView]
+
+
+@dataclass
+class RankProgress:
+    """Bytes one rank has sent and received in a migration, with its rate and ETA."""
+
+    rank: int | None
+    worker: str
+    sent: int
+    recv: int
+    total_send: int
+    total_recv: int
+    fraction: float
+    gbps: float | None
+    eta_s: float | None
+
+
+@dataclass
+class MigrationView:
+    gen: int
+    from_layout: str | None
+    to_layout: str | None
+    done: bool
+    seconds: float | None
+    bytes_done: int
+    bytes_total: int
+    moved_bytes: int | None
+    local_bytes: int | None
+    checkpoint_bytes: int | None
+    pause_seconds: float | None
+    ranks: list[RankProgress]
+
+
+@dataclass
+class LogLine:
+    ts: float
+    type: str
+    text: str
+    count: int = 1
+    template: str = field(default="", repr=False)
+    who: list[str] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class RunView:
+    """Everything the monitor shows; ``to_json()`` is ``etcslurm status --json``."""
+
+    run: str
+    phase: str
+    gen: int | None
+    layout: str | None
+    world: int | None
+    step: int | None
+    tokens_per_s: float | None
+    loss: float | None
+    loss_trend: str
+    loss_history: list[float]
+    nodes: list[NodeView]
+    migration: MigrationView | None
+    events: list[LogLine]
+    last_event_ts: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["events"] = [
+            {k: e[k] for k in ("ts", "type", "text", "count")} for e in out["events"]
+        ]
+        return out
+
+
+# ---------------------------------------------------------------- formatting helpers
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Decimal units, as network rates are quoted: ``1.2 GB``."""
+    if n is None:
+        return "?"
+    value = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(value) < 1000 or unit == "TB":
+            if unit == "B":
+                return f"{int(value)} B"
+            return f"{value:.1f} {unit}" if abs(value) < 100 else f"{value:.0f} {unit}"
+        value /= 1000
+    return f"{value:.1f} TB"  # pragma: no cover
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "?"
+    if s < 10:
+        return f"{s:.1f} s"
+    if s < 600:
+        return f"{s:.0f} s"
+    return f"{s / 60:.0f} min"
+
+
+def fmt_rate(x: float | None) -> str:
+    """Tokens/s as ``3.1k``."""
+    if x is None:
+        return "?"
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def signal_name(sig: Any) -> str:
+    """``USR2`` from ``"SIGUSR2"``, ``"USR2"`` or ``12``."""
+    if isinstance(sig, int) or (isinstance(sig, str) and sig.isdigit()):
+        try:
+            return _signal.Signals(int(sig)).name.removeprefix("SIG")
+        except ValueError:
+            return str(sig)
+    return str(sig).upper().removeprefix("SIG") if sig else "?"
+
+
+def layout_text(value: Any) -> str | None:
+    """``tp2pp2dp4`` from that text or from ``{"tp": 2, "pp": 2, "dp": 4}``."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        try:
+            return f"tp{int(value['tp'])}pp{int(value['pp'])}dp{int(value['dp'])}"
+        except (KeyError, TypeError, ValueError):
+            return None
+    return str(value)
+
+
+def _layout_world(layout: str | None) -> int | None:
+    m = re.fullmatch(r"tp(\d+)pp(\d+)dp(\d+)", layout or "")
+    return int(m[1]) * int(m[2]) * int(m[3]) if m else None
+
+
+def rank_coord(rank: int, layout: str | None) -> tuple[int, int, int] | None:
+    """(tp, pp, dp) of ``rank`` in megatron-core's order ``rank = tp + TP*(dp + DP*pp)``."""
+    m = re.fullmatch(r"tp(\d+)pp(\d+)dp(\d+)", layout or "")
+    if not m:
+        return None
+    tp, pp, dp = int(m[1]), int(m[2]), int(m[3])
+    if not 0 <= rank < tp * pp * dp:
+        return None
+    return rank % tp, rank // (tp * dp), (rank // tp) % dp
+
+
+def _assignment(d: dict[str, Any], layout: str | None) -> list[dict[str, Any]] | None:
+    """``[{rank, worker, tp, pp, dp, node?}]`` from ``assignment`` or, failing that, from
+    ``members`` (worker ids in rank order, or ``{worker: rank}``) or ``ranks``
+    (``{worker: rank}``) plus the layout."""
+    if isinstance(d.get("assignment"), list):
+        out = []
+        for item in d["assignment"]:
+            if not isinstance(item, dict):
+                continue
+            item = dict(item)
+            rank = _int(item.get("rank"))
+            if rank is not None and item.get("tp") is None and (c := rank_coord(rank, layout)):
+                item["tp"], item["pp"], item["dp"] = c
+            out.append(item)
+        return out
+    ranks: dict[str, int] = {}
+    for name in ("ranks", "members"):
+        value = d.get(name)
+        if isinstance(value, dict):
+            ranks = {str(w): r for w, r in value.items() if _int(r) is not None}
+        elif isinstance(value, list) and value and all(isinstance(w, str) for w in value):
+            ranks = {w: i for i, w in enumerate(value)}
+        if ranks:
+            break
+    if not ranks:
+        return None
+    out = []
+    for wid, rank in ranks.items():
+        c = rank_coord(int(rank), layout)
+        item: dict[str, Any] = {"rank": int(rank), "worker": wid}
+        if c:
+            item["tp"], item["pp"], item["dp"] = c
+        out.append(item)
+    return out
+
+
+def compact_ids(ids: list[str]) -> str:
+    """``w9–w12`` for a consecutive run of ``w<n>`` ids, else ``a, b, c +2``."""
+    nums = [int(m[1]) for i in ids if (m := re.fullmatch(r"w(\d+)", i))]
+    if len(nums) == len(ids) > 2 and sorted(nums) == list(range(min(nums), max(nums) + 1)):
+        return f"w{min(nums)}–w{max(nums)}"
+    shown = ", ".join(ids[:4])
+    return shown + (f" +{len(ids) - 4}" if len(ids) > 4 else "")
+
+
+def natural_key(text: str) -> list[Any]:
+    """``n2`` before ``n10``."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
+
+
+def _int(value: Any, default: int | None = None) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _float(value: Any, default: float | None = None) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str | bytes):
+        try:
+            decoded = json.loads(value)
+        except ValueError:
+            return {}
+        return decoded if isinstance(decoded, dict) else {}
+    return {}
+
+
+# ---------------------------------------------------------------- the fold
+
+
+@dataclass
+class _Worker:
+    worker: str
+    node: str = "?"
+    state: str = "active"
+    leave_by: float | None = None
+    signalled: bool = False  # a worker.signal already told the log it is leaving
+
+
+@dataclass
+class _Rank:
+    rank: int | None
+    worker: str
+    sent: int = 0
+    recv: int = 0
+    total_send: int = 0
+    total_recv: int = 0
+    first_ts: float | None = None
+    last_ts: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        total = self.total_send + self.total_recv
+        return total > 0 and self.sent >= self.total_send and self.recv >= self.total_recv
+
+
+@dataclass
+class _Migration:
+    gen: int
+    from_layout: str | None
+    to_layout: str | None
+    start_ts: float | None
+    ranks: dict[str, _Rank] = field(default_factory=dict)
+    done: dict[str, Any] | None = None
+
+
+class RunModel:
+    """Accumulates events (:meth:`apply`) and key snapshots (:meth:`set_keys`) of one run.
+
+    Cheap to update per event; :meth:`view` builds the immutable snapshot to render.
+    """
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self.phase = "waiting"
+        self.gen: int | None = None
+        self.layout: str | None = None
+        self.layout_by_gen: dict[int, str] = {}  # the last two generations' layouts
+        self.world: int | None = None
+        self.assignment: dict[str, dict[str, Any]] = {}  # worker -> {rank, tp, pp, dp, node}
+        self.step: int | None = None
+        self.tokens_per_s: float | None = None
+        self.losses: deque[float] = deque(maxlen=LOSS_HISTORY)
+        self.workers: dict[str, _Worker] = {}
+        self.migrations: dict[int, _Migration] = {}
+        self.current_migration: int | None = None
+        self.log: deque[LogLine] = deque(maxlen=LOG_LINES)
+        self.last_event_ts: float | None = None
+        self.last_id: str = "0"
+        self.finished_rank: _Rank | None = None  # set by the event that completed a rank
+        self.phase_ts: float | None = None  # when an event last changed the phase
+        self.ended = False
+
+    # ---------------------------------------------------------------- events
+
+    def apply(self, event: Event) -> str | None:
+        """Fold one event; returns its own human line (``None`` for silent events).
+
+        In the log, consecutive lines that differ only in the worker merge
+        (``w9–w12 on n3 gone``) and identical ones count up (``(×4)``).
+        """
+        self.last_id = event.id or self.last_id
+        self.last_event_ts = event.ts
+        self.finished_rank = None
+        handler = getattr(self, "_on_" + event.type.replace(".", "_"), None)
+        phase = self.phase
+        out = handler(event.ts, event.data) if handler else self._generic(event)
+        if self.phase != phase:
+            self.phase_ts = event.ts
+        if not out:
+            return None
+        template, who = out if isinstance(out, tuple) else (out, None)
+        return self._log(event.ts, event.type, template, who)
+
+    def _log(self, ts: float, type_: str, template: str, who: str | None) -> str:
+        text = template.replace("{who}", who or "")
+        last = self.log[-1] if self.log else None
+        if last is not None and last.text == text:
+            last.count += 1
+            last.ts = ts
+        elif (
+            last is not None and who is not None and last.template == template
+            and who not in last.who
+        ):
+            last.who.append(who)
+            last.text = template.replace("{who}", compact_ids(last.who))
+            last.ts = ts
+        else:
+            self.log.append(LogLine(ts, type_, text, template=template,
+                                    who=[who] if who else []))
+        return text
+
+    def _generic(self, event: Event) -> str:
+        body = json.dumps(event.data, separators=(",", ":"), sort_keys=True, default=str)
+        return f"{event.type}: {body[:120]}"
+
+    def _worker(self, data: dict[str, Any]) -> _Worker | None:
+        wid = data.get("worker")
+        if wid is None:
+            return None
+        wid = str(wid)
+        w = self.workers.get(wid)
+        if w is None:
+            w = self.workers[wid] = _Worker(wid)
+        node = data.get("node") or data.get("host")
+        if node:
+            w.node = str(node)
+        return w
+
+    def _on_worker_registered(self, ts: float, d: dict[str, Any]) -> str | None:
+        w = self._worker(d)
+        if w is None:
+            return None
+        # the coordinator registers every worker as joining; it turns active with a rank
+        w.state = "joining" if d.get("joining") else str(d.get("state") or "joining")
+        w.leave_by = None
+        return "{who} registered on " + w.node, w.worker
+
+
+    def _on_worker_signal(self, ts: float, d: dict[str, Any]) -> str | None:
+        w = self._worker(d)
+        budget = _float(d.get("budget_s"))
+        if w is not None:
+            w.state = "leaving"
+            w.signalled = True
+            w.leave_by = ts + budget if budget is not None else None
+        who = (w.node if w and w.node != "?" else None) or d.get("node") or d.get("worker") or "?"
+        sig = signal_name(d.get("signal"))
+        tail = f", {budget:.0f} s budget" if budget is not None else ""
+        return f"{who} preempted: {sig}{tail}"
+
+    def _on_worker_state(self, ts: float, d: dict[str, Any]) -> str | None:
+        w = self._worker(d)
+        if w is None:
+            return None
+        state = str(d.get("state") or w.state)
+        deadline = _float(d.get("leave_by", d.get("leave_deadline")))
+        # the event says what it changed; our state may already be newer (keys read
+        # between the coordinator's HSET and its XADD)
+        changed = d["previous"] != state if "previous" in d else state != w.state
+        w.state = state
+        if deadline is not None:
+            w.leave_by = deadline
+        elif state != "leaving":
+            w.leave_by = None
+        if not changed or state in ("active", "joining"):
+            return None  # every rank turns active each generation: the gen line says it
+        if state == "leaving" and w.signalled:
+            return None  # "n3 preempted: USR2, 88 s budget" said it
+        left = f" ({max(0.0, deadline - ts):.0f} s left)" if deadline and state == "leaving" else ""
+        return "{who} on " + f"{w.node}: {state}{left}", w.worker
+
+    def _on_worker_gone(self, ts: float, d: dict[str, Any]) -> str | None:
+        w = self._worker(d)
+        if w is None:
+            return None
+        w.state = "gone"
+        w.leave_by = None
+        reason = d.get("reason")
+        return "{who} on " + f"{w.node} gone" + (f" ({reason})" if reason else ""), w.worker
+
+    def _on_generation_start(self, ts: float, d: dict[str, Any]) -> str | None:
+        gen = _int(d.get("gen", d.get("generation")))
+        if gen is None:
+            return None
+        # not self.layout: a read of the gen key may already have brought the new one
+        prev = layout_text(d.get("from")) or self.layout_by_gen.get(gen - 1)
+        new = layout_text(d.get("to", d.get("layout")))
+        self._set_generation(gen, new, _int(d.get("world")), _assignment(d, new))
+        for wid in d.get("joining") or []:
+            w = self._worker({"worker": wid})
+            if w and w.state != "gone":
+                w.state = "joining"
+        if prev:  # the first generation has nothing to migrate
+            self.migrations[gen] = _Migration(gen, prev, new, ts)
+            self.current_migration = gen
+            for old in [g for g in self.migrations if g < gen - 1]:
+                del self.migrations[old]  # a long run must not grow without bound
+            self.phase = "migrating"
+        elif self.phase == "waiting":
+            self.phase = "starting"
+        n_leave = len(d.get("leaving") or []) or sum(
+            1 for w in self.workers.values() if w.state == "leaving")
+        n_join = len(d.get("joining") or [])
+        arrow = f"{prev} → {new}" if prev else f"start in {new}"
+        extras = []
+        if n_leave:
+            extras.append(f"{n_leave} leaving")
+        if n_join:
+            extras.append(f"{n_join} joining")
+        world = f"{self.world} ranks" if self.world else ""
+        detail = ", ".join(x for x in [world, *extras] if x)
+        return f"gen {gen}: {arrow}" + (f" ({detail})" if detail else "")
+
+    def _set_generation(
+        self, gen: int, layout: str | None, world: int | None, assignment: Any
+    ) -> None:
+        self.gen = gen
+        if layout:
+            self.layout = layout
+            self.layout_by_gen[gen] = layout
+            for old in [g for g in self.layout_by_gen if g < gen - 1]:
+                del self.layout_by_gen[old]
+        self.world = world or _layout_world(self.layout) or self.world
+        if isinstance(assignment, list):
+            self.assignment = {}
+            for item in assignment:
+                if not isinstance(item, dict) or item.get("worker") is None:
+                    continue
+                wid = str(item["worker"])
+                self.assignment[wid] = item
+                # joiners stay "joining" until they say active (or the migration is done)
+                self._worker({"worker": wid, "node": item.get("node")})
+
+    def _migration(self, gen: int | None) -> _Migration | None:
+        if gen is None:
+            gen = self.current_migration
+        if gen is None:
+            return None
+        if gen not in self.migrations:
+            self.migrations[gen] = _Migration(gen, None, self.layout, None)
+            self.current_migration = max(gen, self.current_migration or gen)
+        return self.migrations[gen]
+
+    def _on_migration_progress(self, ts: float, d: dict[str, Any]) -> str | None:
+        mig = self._migration(_int(d.get("gen")))
+        if mig is None:
+            return None
+        wid = str(d.get("worker", d.get("rank", "?")))
+        r = mig.ranks.get(wid)
+        if r is None:
+            r = mig.ranks[wid] = _Rank(_int(d.get("rank")), wid, first_ts=ts)
+        was_done = r.finished
+        r.sent = max(r.sent, _int(d.get("sent"), 0) or 0)
+        r.recv = max(r.recv, _int(d.get("recv"), 0) or 0)
+        r.total_send = _int(d.get("total_send"), r.total_send) or 0
+        r.total_recv = _int(d.get("total_recv"), r.total_recv) or 0
+        r.last_ts = ts
+        if r.finished and not was_done:
+            self.finished_rank = r  # plain mode prints one line per rank that completes
+        return None
+
+    def _on_migration_done(self, ts: float, d: dict[str, Any]) -> str | None:
+        mig = self._migration(_int(d.get("gen")))
+        if mig is None:
+            return None
+        mig.done = d
+        mig.from_layout = mig.from_layout or layout_text(d.get("from"))
+        mig.to_layout = mig.to_layout or layout_text(d.get("to"))
+        if self.phase == "migrating":
+            self.phase = "training"
+        for w in self.workers.values():
+            if w.state == "joining" and w.worker in self.assignment:
+                w.state = "active"
+        moved = _int(d.get("moved_bytes"))
+        secs = _float(d.get("seconds"))
+        arrow = f"{mig.from_layout} → {mig.to_layout}" if mig.from_layout else f"{mig.to_layout}"
+        parts = [f"gen {mig.gen}: {arrow}"]
+        if moved is not None:
+            parts.append(f"{fmt_bytes(moved)} in {fmt_seconds(secs)}")
+        elif secs is not None:
+            parts.append(f"done in {fmt_seconds(secs)}")
+        ckpt = _int(d.get("checkpoint_bytes"))
+        if ckpt:
+            parts.append(f"{fmt_bytes(ckpt)} from checkpoint")
+        return ", ".join(parts)
+
+    def _on_step(self, ts: float, d: dict[str, Any]) -> str | None:
+        self.step = _int(d.get("step"), self.step)
+        tps = _float(d.get("tokens_per_s"))
+        if tps is not None:
+            self.tokens_per_s = tps
+        loss = _float(d.get("loss"))
+        if loss is not None:
+            self.losses.append(loss)
+        gen = _int(d.get("gen"))
+        if gen is not None and (self.gen is None or gen > self.gen):
+            self.gen = gen
+        if self.phase in ("waiting", "migrating"):
+            self.phase = "training"
+        return None
+
+    def _on_change_requested(self, ts: float, d: dict[str, Any]) -> str | None:
+        wid = d.get("worker")
+        w = self.workers.get(str(wid)) if wid is not None else None
+        if d.get("kind") == "leave" and w is not None and w.state == "leaving":
+            return None  # the signal line already said it
+        return f"change requested: {d.get('reason') or d.get('kind') or '?'}"
+
+    def _on_run_end(self, ts: float, d: dict[str, Any]) -> str | None:
+        self.phase = "ended"
+        self.ended = True
+        reason = d.get("reason")
+        step = _int(d.get("step"))
+        if step is not None:
+            self.step = step
+        return "run ended" + (f": {reason}" if reason else "")
+
+    def _on_error(self, ts: float, d: dict[str, Any]) -> str | None:
+        who = d.get("worker")
+        msg = d.get("message") or d.get("error") or "?"
+        return "error" + (f" on {who}" if who else "") + f": {msg}"
+
+    # ---------------------------------------------------------------- keys
+
+    def set_keys(
+        self,
+        workers: dict[str, Any] | None = None,
+        gen: Any = None,
+        status: Any = None,
+    ) -> None:
+        """Merge the ``workers`` hash, ``gen`` and ``status`` keys (the ground truth).
+
+        Events stay the fast path; the keys repair what a trimmed stream or a late start
+        missed.  Values may be JSON text or already-decoded dicts.
+        """
+        for wid, raw in (workers or {}).items():
+            wid = wid.decode() if isinstance(wid, bytes) else str(wid)
+            info = _dict(raw)
+            w = self._worker({"worker": wid, "node": info.get("node") or info.get("host")})
+            if w is None:
+                continue
+            state = info.get("state")
+            if state:
+                w.state = str(state)
+            if info.get("alive") is False and w.state != "gone":
+                w.state = "gone"  # heartbeat expired: dead, whether or not marked yet
+            deadline = info.get("leave_by", info.get("leave_deadline"))
+            if deadline is not None:
+                w.leave_by = _float(deadline)
+        g = _dict(gen)
+        gnum = _int(g.get("gen", g.get("generation")))
+        if gnum is not None and (self.gen is None or gnum >= self.gen):
+            layout = layout_text(g.get("to", g.get("layout", g.get("config"))))
+            prev = layout_text(g.get("from"))
+            if prev and gnum - 1 not in self.layout_by_gen:
+                self.layout_by_gen[gnum - 1] = prev
+            self._set_generation(gnum, layout, _int(g.get("world")), _assignment(g, layout))
+        if self.phase == "waiting" and self.gen is not None:
+            self.phase = "running"
+        s = _dict(status)
+        if s:
+            step = _int(s.get("step"))
+            if step is not None and (self.step is None or step >= self.step):
+                self.step = step
+            phase = s.get("phase") or s.get("state")
+            updated = _float(s.get("updated_at"))
+            # the stream is fresher than a status written before the last phase change
+            fresher = self.phase_ts is None or (updated is not None and updated > self.phase_ts)
+            if isinstance(phase, str) and phase and not self.ended and fresher:
+                self.phase = phase
+            if phase == "ended":
+                self.ended = True
+            tps = _float(s.get("tokens_per_s"))
+            if tps is not None and self.tokens_per_s is None:
+                self.tokens_per_s = tps
+
+    # ---------------------------------------------------------------- snapshot
+
+    def loss_trend(self) -> str:
+        """``down``, ``up`` or ``flat`` (mean of the newer half vs the older half)."""
+        xs = list(self.losses)
+        if len(xs) < 2:
+            return ""
+        half = len(xs) // 2
+        old, new = sum(xs[:half]) / half, sum(xs[half:]) / (len(xs) - half)
+        scale = max(abs(old), 1e-12)
+        if (new - old) / scale < -0.002:
+            return "down"
+        if (new - old) / scale > 0.002:
+            return "up"
+        return "flat"
+
+    def view(self, now: float) -> RunView:
+        """An immutable snapshot at time ``now`` (seconds left and ETAs depend on it)."""
+        nodes: dict[str, list[DeviceView]] = {}
+        for w in self.workers.values():
+            a = self.assignment.get(w.worker, {})
+            node = w.node if w.node != "?" else str(a.get("node") or "?")
+            left = None
+            if w.state == "leaving" and w.leave_by is not None:
+                left = max(0.0, w.leave_by - now)
+            in_gen = bool(a) and w.state != "gone"
+            nodes.setdefault(node, []).append(
+                DeviceView(
+                    worker=w.worker,
+                    node=node,
+                    state=w.state if w.state in STATES else w.state or "active",
+                    rank=_int(a.get("rank")) if in_gen else None,
+                    tp=_int(a.get("tp")) if in_gen else None,
+                    pp=_int(a.get("pp")) if in_gen else None,
+                    dp=_int(a.get("dp")) if in_gen else None,
+                    seconds_left=left,
+                )
+            )
+        node_views = [
+            NodeView(
+                name,
+                sorted(
+                    devs,
+                    key=lambda d: (d.rank is None, d.rank or 0, natural_key(d.worker)),
+                ),
+            )
+            for name, devs in sorted(nodes.items(), key=lambda kv: natural_key(kv[0]))
+        ]
+        mig = self._migration_view(now)
+        return RunView(
+            run=self.run,
+            phase=self.phase,
+            gen=self.gen,
+            layout=self.layout,
+            world=self.world,
+            step=self.step,
+            tokens_per_s=self.tokens_per_s,
+            loss=self.losses[-1] if self.losses else None,
+            loss_trend=self.loss_trend(),
+            loss_history=list(self.losses),
+            nodes=node_views,
+            migration=mig,
+            events=[LogLine(x.ts, x.type, x.text, x.count) for x in self.log],
+            last_event_ts=self.last_event_ts,
+        )
+
+    def _migration_view(self, now: float) -> MigrationView | None:
+        if self.current_migration is None:
+            return None
+        m = self.migrations[self.current_migration]
+        done = m.done is not None
+        ranks = []
+        for r in sorted(m.ranks.values(), key=lambda r: (r.rank is None, r.rank or 0, r.worker)):
+            moved = r.sent + r.recv
+            total = r.total_send + r.total_recv
+            frac = 1.0 if total == 0 else min(1.0, moved / total)
+            t0 = m.start_ts if m.start_ts is not None else r.first_ts
+            finished = frac >= 1.0 or done
+            # a rank still moving is rated up to now, so a stall shows as a falling rate
+            t1 = r.last_ts if finished else max(now, r.last_ts or now)
+            gbps = None
+            if t0 is not None and t1 is not None and t1 > t0 and moved:
+                gbps = moved / (t1 - t0) / 1e9
+            eta = 0.0 if finished else (total - moved) / (gbps * 1e9) if gbps else None
+            ranks.append(
+                RankProgress(
+                    r.rank, r.worker, r.sent, r.recv, r.total_send, r.total_recv,
+                    frac, gbps, eta,
+                )
+            )
+        d = m.done or {}
+        return MigrationView(
+            gen=m.gen,
+            from_layout=m.from_layout,
+            to_layout=m.to_layout,
+            done=done,
+            seconds=_float(d.get("seconds")) if done else None,
+            bytes_done=sum(r.sent for r in m.ranks.values()),
+            bytes_total=sum(r.total_send for r in m.ranks.values()),
+            moved_bytes=_int(d.get("moved_bytes")),
+            local_bytes=_int(d.get("local_bytes")),
+            checkpoint_bytes=_int(d.get("checkpoint_bytes")),
+            pause_seconds=_float(d.get("pause_seconds")),
+            ranks=ranks,
+        )
+
+
+def fold(run: str, events: list[Event], now: float, **keys: Any) -> RunView:
+    """Convenience: a fresh model, all ``events``, then the keys; the view at ``now``."""
+    model = RunModel(run)
+    for e in events:
+        model.apply(e)
+    model.set_keys(**keys)
+    return model.view(now)

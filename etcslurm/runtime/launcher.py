@@ -1,0 +1,346 @@
+"""Local launcher behind ``etcslurm demo``: a bundled Redis, CPU worker processes, a
+resize schedule applied with real signals and real new processes, and the summary.
+
+Everything a Slurm run does happens here on one machine: workers are separate processes
+that register with the coordinator; "preemption" is SIGUSR2 sent to a worker process (what
+Slurm sends with ``--signal=USR2@..``); "new capacity" is new worker processes that join;
+"kill" is SIGKILL (a crashed node).  The launcher never talks to workers directly: it
+reads the coordinator's event stream, like the monitor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from etcslurm.coord.client import connect
+from etcslurm.coord.coordinator import Coordinator
+from etcslurm.coord.server import BundledRedis
+from etcslurm.core.models import GPTSpec
+from etcslurm.errors import EtcslurmError, UsageError, WaitTimeout
+from etcslurm.runtime.schedule import ScheduledEvent, active_after, parse_schedule
+from etcslurm.runtime.session import SessionConfig
+
+#: |elastic − reference| loss tolerance: across a DP change the gradient sum runs in a
+#: different order (float32), which moves losses by ~1e-6 relative; see docs/runtime.md
+LOSS_TOLERANCE = 1e-4
+
+
+@dataclass
+class DemoOptions:
+    workers: int = 4
+    model: str = "gpt-tiny"
+    steps: int = 60
+    schedule: str = "15:leave=1;30:join=2;45:leave=2"
+    redis: str | None = None
+    password_file: str | None = None
+    run_id: str | None = None
+    run_dir: str | None = None
+    optimizer: str = "adam"
+    global_batch: int = 12
+    micro_batch: int = 1
+    gpus_per_node: int = 2
+    seed: int = 1234
+    reference: bool = True
+    dead_after: float = 10.0
+    collective_timeout: float = 10.0
+    timeout: float = 600.0
+    keep_keys_s: float = 60.0
+
+
+@dataclass
+class WorkerProc:
+    index: int
+    node: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    worker_id: str | None = None
+    signalled_at: float | None = None
+    killed: bool = False
+
+
+@dataclass
+class DemoResult:
+    run_id: str
+    run_dir: str
+    steps: int
+    losses: dict[int, float] = field(default_factory=dict)
+    reference_losses: dict[int, float] = field(default_factory=dict)
+    generations: list[dict[str, Any]] = field(default_factory=list)
+    migrations: list[dict[str, Any]] = field(default_factory=list)
+    exit_codes: dict[str, int | None] = field(default_factory=dict)
+    seconds: float = 0.0
+    leftover_processes: int = 0
+    keys_left: int = 0
+    pids: list[int] = field(default_factory=list)
+
+    @property
+    def max_loss_diff(self) -> float | None:
+        common = sorted(set(self.losses) & set(self.reference_losses))
+        if not common:
+            return None
+        return max(abs(self.losses[s] - self.reference_losses[s]) for s in common)
+
+    @property
+    def loss_match(self) -> bool | None:
+        diff = self.max_loss_diff
+        if diff is None:
+            return None
+        return diff <= LOSS_TOLERANCE and len(self.losses) == self.steps
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "run_dir": self.run_dir,
+            "steps": self.steps,
+            "steps_done": len(self.losses),
+            "final_loss": self.losses.get(max(self.losses)) if self.losses else None,
+            "generations": self.generations,
+            "migrations": self.migrations,
+            "loss_match": self.loss_match,
+            "max_loss_diff": self.max_loss_diff,
+            "loss_tolerance": LOSS_TOLERANCE,
+            "losses": [self.losses.get(s) for s in range(1, self.steps + 1)],
+            "reference_losses": [self.reference_losses.get(s) for s in range(1, self.steps + 1)]
+            if self.reference_losses else None,
+            "exit_codes": self.exit_codes,
+            "seconds": round(self.seconds, 3),
+            "leftover_processes": self.leftover_processes,
+        }
+
+
+class LocalRun:
+    """Worker processes of one run on this machine, driven by the coordinator's events."""
+
+    def __init__(self, opts: DemoOptions, run_id: str, run_dir: Path, url: str,
+                 password_file: str | None, spec: GPTSpec, initial: int) -> None:
+        self.opts, self.run_id, self.run_dir = opts, run_id, run_dir
+        self.url, self.password_file, self.spec = url, password_file, spec
+        self.procs: list[WorkerProc] = []
+        self.by_worker: dict[str, WorkerProc] = {}
+        self.session = SessionConfig(
+            run_id=run_id, redis_url=url, password_file=password_file, spec=spec,
+            optimizer=opts.optimizer, global_batch=opts.global_batch,
+            micro_batch=opts.micro_batch, seed=opts.seed, steps=opts.steps,
+            initial_workers=initial, gpus_per_node=opts.gpus_per_node, run_dir=str(run_dir),
+        )
+        self.coord = Coordinator(connect(url, password_file), run_id)
+        self.coord.ensure_spec(self.session.run_spec())
+        self.last_id = "0"
+        self.step = 0
+        self.record: dict[str, Any] | None = None
+        self.result = DemoResult(run_id, str(run_dir), opts.steps)
+        self._joined_nodes = 0
+
+    def spawn(self, node: str) -> WorkerProc:
+        index = len(self.procs)
+        log = self.run_dir / f"worker-{index}.log"
+        env = dict(os.environ)
+        env.update(ETCSLURM_NODE=node, PYTHONUNBUFFERED="1")
+        cmd = [
+            sys.executable, "-m", "etcslurm.runtime.worker", "--run", self.run_id,
+            "--redis", self.url, "--run-dir", str(self.run_dir),
+            "--dead-after", str(self.opts.dead_after),
+            "--collective-timeout", str(self.opts.collective_timeout),
+        ]
+        if self.password_file:
+            cmd += ["--password-file", str(self.password_file)]
+        with log.open("wb") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        wp = WorkerProc(index, node, proc, log)
+        self.procs.append(wp)
+        self.result.pids.append(proc.pid)
+        return wp
+
+    def spawn_initial(self, count: int) -> None:
+        for i in range(count):
+            self.spawn(f"n{i // self.opts.gpus_per_node}")
+
+    def spawn_joiners(self, count: int) -> None:
+        for k in range(count):
+            self.spawn(f"j{(self._joined_nodes + k) // self.opts.gpus_per_node}")
+        self._joined_nodes += count
+
+    def _victims(self, count: int) -> list[WorkerProc]:
+        """The highest-ranked workers of the current world not yet signalled."""
+        if self.record is None:
+            return []
+        ranked = sorted(self.record.get("assignment", []), key=lambda a: -a["rank"])
+        out = []
+        for a in ranked:
+            wp = self.by_worker.get(a["worker"])
+            if wp is not None and wp.signalled_at is None and wp.proc.poll() is None:
+                out.append(wp)
+            if len(out) == count:
+                break
+        return out
+
+    def apply(self, event: ScheduledEvent) -> None:
+        if event.action == "join":
+            self.spawn_joiners(event.count)
+            return
+        victims = self._victims(event.count)
+        if len(victims) < event.count:
+            raise UsageError(
+                f"schedule step {event.step}: {event.action}={event.count} but only "
+                f"{len(victims)} workers can be picked"
+            )
+        for wp in victims:
+            wp.signalled_at = time.time()
+            if event.action == "kill":
+                wp.killed = True
+                wp.proc.send_signal(signal.SIGKILL)
+            else:
+                wp.proc.send_signal(signal.SIGUSR2)
+
+    def poll_events(self, block_ms: int = 200) -> None:
+        for ev in self.coord.read_events(self.last_id, block_ms=block_ms):
+            self.last_id = ev["id"]
+            data, kind = ev["data"], ev["type"]
+            if kind == "worker.registered":
+                pid = data.get("pid")
+                for wp in self.procs:
+                    if wp.proc.pid == pid:
+                        wp.worker_id = ev["worker"] or data.get("worker")
+                        if wp.worker_id:
+                            self.by_worker[wp.worker_id] = wp
+            elif kind == "step":
+                self.step = max(self.step, int(data.get("step", 0)))
+                self.result.losses[int(data["step"])] = float(data["loss"])
+                if self.result.generations and "first_step_ts" not in self.result.generations[-1]:
+                    self.result.generations[-1]["first_step_ts"] = ev["ts"]
+            elif kind == "generation.start":
+                self.record = self.coord.current_generation()
+                rec = self.record or {}
+                self.result.generations.append({
+                    "generation": rec.get("generation"), "kind": rec.get("kind"),
+                    "from": rec.get("from"), "to": rec.get("to"), "world": rec.get("world"),
+                    "leaving": rec.get("leaving", []), "joining": rec.get("joining", []),
+                    "dead": rec.get("dead", []), "idle": rec.get("idle", []),
+                    "step": rec.get("step"), "ts": ev["ts"],
+                    "moved_bytes": (rec.get("plan_stats") or {}).get("moved_bytes"),
+                    "reason": rec.get("layout_reason") or rec.get("reason"),
+                })
+            elif kind == "migration.done":
+                self.result.migrations.append({
+                    k: data.get(k) for k in ("gen", "from", "to", "seconds", "moved_bytes",
+                                             "local_bytes", "pause_seconds", "transfer_seconds",
+                                             "rebuild_seconds")
+                })
+            elif kind == "worker.signal":
+                for g in reversed(self.result.generations):
+                    g.setdefault("signal_ts", ev["ts"])
+                    break
+
+    def alive(self) -> list[WorkerProc]:
+        return [wp for wp in self.procs if wp.proc.poll() is None]
+
+    def stop_all(self) -> None:
+        for wp in self.alive():
+            wp.proc.terminate()
+        end = time.monotonic() + 5
+        while self.alive() and time.monotonic() < end:
+            time.sleep(0.05)
+        for wp in self.alive():
+            wp.proc.kill()
+            wp.proc.wait(timeout=5)
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGKILL when the launcher dies, so no worker outlives a demo."""
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def drive(run: LocalRun, events: tuple[ScheduledEvent, ...], timeout: float,
+          on_tick: Callable[[LocalRun], None] | None = None) -> None:
+    """Apply the schedule as the run reaches each step; return when every worker exited."""
+    pending = list(events)
+    end = time.monotonic() + timeout
+    while run.alive():
+        if time.monotonic() > end:
+            raise WaitTimeout(f"demo run {run.run_id} did not finish within {timeout:g} s "
+                              f"(at step {run.step})")
+        run.poll_events()
+        while pending and run.step >= pending[0].step and run.record is not None:
+            run.apply(pending.pop(0))
+        if on_tick is not None:
+            on_tick(run)
+    run.poll_events(block_ms=0)
+    for wp in run.procs:
+        code = wp.proc.returncode
+        run.result.exit_codes[wp.worker_id or f"proc{wp.index}"] = code
+        if code not in (0, None) and not wp.killed:
+            raise EtcslurmError(
+                f"worker {wp.worker_id or wp.index} exited with code {code}; last lines of "
+                f"{wp.log}:\n{_tail(wp.log)}"
+            )
+
+
+def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
+             on_tick: Callable[[LocalRun], None] | None = None) -> DemoResult:
+    """Run the elastic demo (and its no-resize reference) end to end."""
+    say = progress or (lambda _msg: None)
+    spec = GPTSpec.parse(opts.model)
+    events = parse_schedule(opts.schedule, steps=opts.steps)
+    active_after(opts.workers, events)
+    if opts.workers < 1:
+        raise UsageError("--workers must be at least 1")
+    run_id = opts.run_id or f"demo-{int(time.time())}-{os.getpid()}"
+    run_dir = Path(opts.run_dir or Path("runs") / run_id).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    server = None
+    url, pw = opts.redis, opts.password_file
+    if url is None:
+        server = BundledRedis(run_dir).start()
+        url, pw = server.url, str(server.password_file)
+        say(f"bundled Redis on {server.url} (password in {server.password_file})")
+    run = None
+    try:
+        run = LocalRun(opts, run_id, run_dir, url, pw, spec, opts.workers)
+        with contextlib.suppress(OSError):
+            (run_dir / "coordinator.url").write_text(url + "\n")
+        run.spawn_initial(opts.workers)
+        say(f"run {run_id}: {opts.workers} workers training {spec} for {opts.steps} steps")
+        drive(run, events, opts.timeout, on_tick)
+        result = run.result
+        if opts.reference:
+            say("reference run without resizes (1 worker)")
+            ref_opts = DemoOptions(**{**opts.__dict__, "workers": 1, "schedule": "",
+                                      "run_id": f"{run_id}-ref", "run_dir": str(run_dir / "reference")})
+            (run_dir / "reference").mkdir(exist_ok=True)
+            ref = LocalRun(ref_opts, f"{run_id}-ref", run_dir / "reference", url, pw, spec, 1)
+            ref.spawn_initial(1)
+            drive(ref, (), opts.timeout)
+            result.reference_losses = ref.result.losses
+            ref.coord.end_run(keep_s=opts.keep_keys_s)
+        run.coord.end_run(keep_s=opts.keep_keys_s)
+        result.keys_left = len(run.coord.run_keys())
+        result.seconds = time.perf_counter() - t0
+        (run_dir / "summary.json").write_text(json.dumps(result.to_json(), indent=1))
+        return result
+    finally:
+        if run is not None:
+            run.stop_all()
+        if server is not None:
+            server.stop()

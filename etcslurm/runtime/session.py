@@ -1,0 +1,677 @@
+"""``ElasticSession``: the step-boundary hook a training loop calls.
+
+A worker process opens a session; the session registers with the Redis coordinator,
+waits for a generation that includes it, builds its model for that generation's layout,
+and hands it to the training loop.  At every step boundary (:meth:`ElasticSession.step_done`)
+the world agrees, with one tiny all-reduce, whether anything changed: a worker got a
+preemption signal, new workers are ready to join, a worker died, or an operator asked.
+If so the leader publishes the next generation, every participant replays the planner on
+it, the state moves peer to peer (coalesced, checksummed), the leavers exit, and the new
+world rebuilds its process groups and megatron-core ``parallel_state`` and goes on at the
+same step with the same global batch.
+
+The typical loop (see the README)::
+
+    with ElasticSession(config) as session:
+        while not session.finished:
+            with session.step():                       # a peer failure inside: recover, redo
+                loss = train_step(session.trainee)
+                session.step_done(loss)
+
+Failure model: a step is atomic (the loss is reduced before the optimizer update and
+nothing communicates after it), so a peer that dies inside a step leaves every survivor
+at the start of that step; the next generation is rebuilt from the surviving replicas and
+the step is redone.  If no replica holds some piece, the run stops with
+:class:`~etcslurm.errors.StateLostError` (exit 5) naming the pieces, or, with a
+checkpoint directory, restores the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from etcslurm.coord.client import connect
+from etcslurm.coord.coordinator import ACTIVE, GONE, JOINING, LEAVING, Coordinator
+from etcslurm.coord.store import RedisStore
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.models import GPTSpec
+from etcslurm.errors import EtcslurmError, MigrationError, StateLostError, WaitTimeout
+from etcslurm.runtime.generation import RunSettings, first_generation, next_generation, plan_inputs
+
+log = logging.getLogger("etcslurm.runtime")
+
+Builder = Callable[[GPTSpec, ParallelConfig, "SessionConfig"], Any]
+
+
+@dataclass
+class SessionConfig:
+    """Everything a worker needs to take part in a run (the run spec plus local bits).
+
+    The run spec part (model, optimizer, batch, seed, steps) is stored in the coordinator
+    by the first worker; a joiner whose spec differs is refused.
+    """
+
+    run_id: str
+    redis_url: str
+    spec: GPTSpec
+    password_file: str | None = None
+    optimizer: str = "adam"
+    global_batch: int = 12
+    micro_batch: int = 1
+    seed: int = 1234
+    steps: int = 60
+    lr: float = 1e-3
+    initial_workers: int = 1
+    gpus_per_node: int = 8
+    node: str = field(default_factory=socket.gethostname)
+    run_dir: str = "."
+    staging_bytes: int = 512 * 2**20
+    heartbeat_interval: float = 1.0
+    dead_after: float = 10.0  # heartbeat TTL: a SIGKILLed worker is noticed within this
+    collective_timeout: float = 10.0  # a collective stuck on a dead peer fails after this
+    join_timeout: float = 600.0  # how long a joiner waits for a generation to take it
+    barrier_timeout: float = 120.0
+    checkpoint_dir: str | None = None  # fallback when all leave / pieces are lost
+    signals: tuple[str, ...] = ("USR2", "TERM")
+    leave_budget: float = 60.0  # seconds a signalled worker assumes it has, when unknown
+    log_data: bool = True
+
+    def run_spec(self) -> dict[str, Any]:
+        """The fields every worker of the run must agree on (stored in the coordinator)."""
+        return {
+            "model": self.spec.to_json(),
+            "optimizer": self.optimizer,
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "seed": self.seed,
+            "steps": self.steps,
+            "lr": self.lr,
+            "initial_workers": self.initial_workers,
+            "gpus_per_node": self.gpus_per_node,
+        }
+
+    def settings(self) -> RunSettings:
+        return RunSettings(
+            spec=self.spec,
+            optimizer=self.optimizer,
+            global_batch=self.global_batch,
+            micro_batch=self.micro_batch,
+            gpus_per_node=self.gpus_per_node,
+            staging_bytes=self.staging_bytes,
+        )
+
+
+def default_builder(spec: GPTSpec, config: ParallelConfig, cfg: SessionConfig) -> Any:
+    """Build etcslurm's megatron-core GPT (+ Adam) for ``config`` (parallel_state is ready)."""
+    from etcslurm.megatron.adapter import TrainHyper, build_gpt
+
+    hyper = TrainHyper(lr=cfg.lr, global_batch=cfg.global_batch, micro_batch=cfg.micro_batch)
+    return build_gpt(spec, config, optimizer=cfg.optimizer, seed=cfg.seed, hyper=hyper)
+
+
+class LeftRun(Exception):
+    """Raised inside the session when this worker leaves the run (signal, idle, end)."""
+
+
+@dataclass
+class MigrationReport:
+    """What one generation change cost on this worker (emitted, and kept for the demo)."""
+
+    generation: int
+    kind: str
+    from_layout: str | None
+    to_layout: str
+    seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    rebuild_seconds: float = 0.0
+    moved_bytes: int = 0
+    local_bytes: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    pause_seconds: float | None = None
+
+
+class ElasticSession:
+    """One worker's membership in an elastic run; see the module docstring."""
+
+    def __init__(self, config: SessionConfig, build: Builder | None = None) -> None:
+        self.cfg = config
+        self.build = build or default_builder
+        self.settings = config.settings()
+        self.coord: Coordinator | None = None
+        self.worker_id: str | None = None
+        self.record: dict[str, Any] | None = None  # current generation
+        self.trainee: Any = None
+        self.rank: int | None = None
+        self.finished = False
+        self.reports: list[MigrationReport] = []
+        self._store: RedisStore | None = None
+        self._trap: Any = None
+        self._signal_at: float | None = None
+        self._leaving_announced = False
+        self._last_poll = 0.0
+        self._step_started = time.perf_counter()
+        self._change_started: float | None = None
+        self._data_log: Any = None
+        self.exit_reason = "finished"
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> ElasticSession:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc_type is LeftRun:
+            self.close(GONE)
+            return True
+        self.close(GONE)
+        return False
+
+    def start(self) -> None:
+        """Register, wait for a generation that takes this worker, enter it."""
+        from etcslurm.megatron.cpu_shim import install_if_needed
+        from etcslurm.slurm.signals import SignalTrap
+
+        install_if_needed()
+        import etcslurm.megatron.adapter  # noqa: F401  (import before registering: a joiner
+        # that is taken in must be ready at once, not spend seconds importing megatron)
+
+        cfg = self.cfg
+        client = connect(cfg.redis_url, cfg.password_file)
+        self.coord = Coordinator(
+            client, cfg.run_id, spec=cfg.run_spec(),
+            heartbeat_interval=cfg.heartbeat_interval, dead_after=cfg.dead_after,
+        )
+        self._store = RedisStore(client, cfg.run_id, "pg")
+        self._trap = SignalTrap(cfg.signals, lead_time=cfg.leave_budget, callback=self._on_signal)
+        self._trap.install()
+        self.worker_id = self.coord.register({"node": cfg.node, "device": "cpu"})
+        log.info("registered as %s on %s", self.worker_id, cfg.node)
+        if cfg.log_data:
+            path = Path(cfg.run_dir) / f"data-{self.worker_id}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._data_log = path.open("a", buffering=1)
+        current = self.coord.current_generation()
+        if current is None:
+            self._start_first_generation()
+        else:
+            self._wait_to_join(after=int(current["generation"]) - 1)
+
+    def close(self, state: str = GONE) -> None:
+        """Leave the coordinator and tear every process group down (idempotent)."""
+        from etcslurm.transfer import groups
+
+        groups.abort()
+        if self._trap is not None:
+            self._trap.uninstall()
+            self._trap = None
+        if self.coord is not None:
+            with contextlib.suppress(Exception):
+                self.coord.close(state)
+            self.coord = None
+        if self._data_log is not None:
+            self._data_log.close()
+            self._data_log = None
+
+    # ------------------------------------------------------------------ signals
+    def _on_signal(self, event: Any) -> None:
+        # watcher thread: only record; the step boundary acts on it
+        if self._signal_at is None:
+            self._signal_at = time.perf_counter()
+            self._signal_event = event
+
+    @property
+    def signalled(self) -> bool:
+        return self._signal_at is not None
+
+    # ------------------------------------------------------------------ training API
+    @property
+    def step_index(self) -> int:
+        """The global step the next ``train_step`` computes."""
+        return int(self.trainee.iteration) if self.trainee is not None else 0
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Wrap one training step: a peer that dies inside it triggers recovery, after
+        which the block is left normally (the step is then redone by the loop)."""
+        self._step_started = time.perf_counter()
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as exc:
+            if isinstance(exc, EtcslurmError) or not dist.is_initialized():
+                raise
+            self._recover(exc)
+
+    def step_done(self, loss: float) -> None:
+        """The step boundary: publish progress, then resize if anything changed."""
+        cfg = self.cfg
+        assert self.coord is not None and self.record is not None
+        step = self.step_index
+        elapsed = max(time.perf_counter() - self._step_started, 1e-9)
+        if self.rank == 0:
+            self.coord.emit(
+                "step", gen=self.record["generation"], step=step, loss=float(loss),
+                tokens_per_s=cfg.global_batch * cfg.spec.seq / elapsed,
+            )
+        self._log_data(step - 1, loss)
+        if step >= cfg.steps:
+            self.finished = True
+            self.exit_reason = "finished"
+            return
+        if self._boundary_change():
+            self._resize(step)
+        self._step_started = time.perf_counter()
+
+    # ------------------------------------------------------------------ boundary
+    def _boundary_change(self) -> bool:
+        """All ranks agree (one all-reduce) whether to change the world now."""
+        assert self.coord is not None and self.record is not None
+        if self.signalled and not self._leaving_announced:
+            ev = self._signal_event
+            budget = ev.budget if ev.budget is not None else self.cfg.leave_budget
+            self.coord.emit("worker.signal", worker=self.worker_id, node=self.cfg.node,
+                            signal=ev.signal, budget_s=budget)
+            self.coord.leave(within=budget, reason=f"SIG{ev.signal}")
+            self._leaving_announced = True
+        flag = 1 if self.signalled else 0
+        if self.rank == 0 and not flag:
+            now = time.monotonic()
+            if now - self._last_poll >= 0.25:
+                self._last_poll = now
+                flag = 1 if self._leader_sees_change() else 0
+        t = torch.tensor([flag], dtype=torch.int64)
+        dist.all_reduce(t)
+        return bool(t.item())
+
+    def _leader_sees_change(self) -> bool:
+        assert self.coord is not None and self.record is not None
+        world = {a["worker"] for a in self.record["assignment"]}
+        members = self.coord.members()
+        for wid, info in members.items():
+            if wid in world and (info["state"] == LEAVING or not info.get("alive", True)):
+                return True
+            if wid not in world and info.get("alive") and info["state"] in (JOINING, ACTIVE):
+                return True
+        return bool(self.coord.pending_change())
+
+    def _world_view(self) -> tuple[list[str], list[str], list[str], dict[str, str]]:
+        """(leaving, dead, ready, nodes) as the coordinator sees them now."""
+        assert self.coord is not None and self.record is not None
+        world = [a["worker"] for a in self.record["assignment"]]
+        members = self.coord.members()
+        leaving = [w for w in world if members.get(w, {}).get("state") == LEAVING]
+        dead = [w for w in world if (w in members and not members[w].get("alive"))
+                or members.get(w, {}).get("state") == GONE]
+        ready = [w for w, i in members.items()
+                 if w not in world and i.get("alive") and i["state"] in (JOINING, ACTIVE)]
+        nodes = {w: str(i.get("node") or i.get("host") or "?") for w, i in members.items()}
+        return leaving, dead, ready, nodes
+
+    def _resize(self, step: int) -> None:
+        """Everyone at the boundary: the decider publishes, all follow the record."""
+        assert self.coord is not None and self.record is not None
+        self._change_started = self._signal_at or time.perf_counter()
+        current = int(self.record["generation"])
+        decider = self._decider()
+        if decider == self.worker_id:
+            self._publish_next(step, reason="resize at step boundary")
+        record = self.coord.wait_generation(after=current, timeout=self.cfg.barrier_timeout)
+        self._follow(record)
+
+    def _decider(self) -> str:
+        """The lowest-ranked world member that is not leaving (every rank agrees: the
+        leaving flags were set before the boundary's all-reduce)."""
+        assert self.coord is not None and self.record is not None
+        members = self.coord.members()
+        for a in sorted(self.record["assignment"], key=lambda a: a["rank"]):
+            info = members.get(a["worker"], {})
+            if info.get("state") == ACTIVE and info.get("alive"):
+                return a["worker"]
+        return sorted(self.record["assignment"], key=lambda a: a["rank"])[0]["worker"]
+
+    def _publish_next(self, step: int, reason: str, extra_dead: tuple[str, ...] = ()) -> None:
+        assert self.coord is not None and self.record is not None
+        from etcslurm.megatron.scalars import extract_scalars
+
+        leaving, dead, ready, nodes = self._world_view()
+        dead = sorted(set(dead) | set(extra_dead))
+        record, migration = next_generation(
+            self.settings, self.record, leaving=leaving, dead=dead, ready=ready, nodes=nodes,
+            step=step, scalars=extract_scalars(self.trainee) if self.trainee else None,
+            reason=reason,
+        )
+        if migration is not None:
+            record["plan_stats"] = {k: migration.stats.get(k) for k in (
+                "moved_bytes", "local_bytes", "state_bytes", "messages", "rounds",
+                "lower_bound_moved_bytes", "missing_bytes")}
+        self.coord.take_changes(len(self.coord.pending_change()))
+        if self.coord.publish_generation(record):
+            log.info("published generation %s: %s", record["generation"], record["reason"])
+
+    # ------------------------------------------------------------------ generations
+    def _start_first_generation(self) -> None:
+        """Initial workers: the first registered waits for the rest, then publishes gen 1."""
+        assert self.coord is not None
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.join_timeout
+        while True:
+            current = self.coord.current_generation()
+            if current is not None:
+                break
+            live = self.coord.live_members()
+            if self.coord.is_leader() and len(live) >= cfg.initial_workers:
+                workers = list(live)[: cfg.initial_workers]
+                nodes = {w: str(i.get("node") or "?") for w, i in live.items()}
+                record = first_generation(self.settings, workers, nodes)
+                record["resume"] = self._checkpoint_to_resume()
+                self.coord.publish_generation(record)
+                continue
+            if time.monotonic() > deadline:
+                raise WaitTimeout(
+                    f"run {cfg.run_id}: only {len(live)} of {cfg.initial_workers} initial "
+                    f"workers registered within {cfg.join_timeout:g} s"
+                )
+            time.sleep(0.05)
+        if self.worker_id in current["union"]:
+            self._follow(current)
+        else:
+            self._wait_to_join(after=int(current["generation"]))
+
+    def _wait_to_join(self, after: int) -> None:
+        """A joiner (or an idle standby) waits until a generation takes it in."""
+        assert self.coord is not None
+        end = time.monotonic() + self.cfg.join_timeout
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise WaitTimeout(
+                    f"worker {self.worker_id} was not taken into run {self.cfg.run_id} "
+                    f"within {self.cfg.join_timeout:g} s"
+                )
+            if self.signalled:
+                raise LeftRun("signalled while waiting to join")
+            try:
+                record = self.coord.wait_generation(after=after, timeout=min(left, 1.0))
+            except WaitTimeout:
+                continue
+            after = int(record["generation"])
+            if record.get("kind") == "stop" or record.get("end"):
+                raise LeftRun("the run stopped")
+            if self.worker_id in record["union"]:
+                self._follow(record)
+                return
+
+    def _follow(self, record: dict[str, Any]) -> None:
+        """Carry out ``record`` on this worker: migrate, rebuild, or leave."""
+        kind = record["kind"]
+        if kind == "stop":
+            self.finished = True
+            raise StateLostError(f"run {self.cfg.run_id} stopped: {record['reason']}")
+        if kind == "checkpoint":
+            self._checkpoint_and_leave(record)
+        if kind == "start":
+            self._enter_start(record)
+        else:
+            self._enter_resize(record)
+
+    def _my_rank(self, record: dict[str, Any]) -> int | None:
+        for a in record["assignment"]:
+            if a["worker"] == self.worker_id:
+                return int(a["rank"])
+        return None
+
+    def _init_world(self, record: dict[str, Any], config: ParallelConfig) -> None:
+        from etcslurm.megatron.parallel import init_parallel
+
+        assert self._store is not None and self.rank is not None
+        init_parallel(
+            config, self.rank, config.world_size, self._store,
+            generation=f"{record['generation']}t", timeout_s=self.cfg.collective_timeout,
+        )
+
+    def _enter_start(self, record: dict[str, Any]) -> None:
+        assert self.coord is not None
+        t0 = time.perf_counter()
+        self.rank = self._my_rank(record)
+        if self.rank is None:  # idle at start: wait to be taken in later
+            self._wait_to_join(after=int(record["generation"]))
+            return
+        config = ParallelConfig.parse(record["to"])
+        self._init_world(record, config)
+        self.trainee = self.build(self.cfg.spec, config, self.cfg)
+        if record.get("resume"):
+            from etcslurm.baseline.checkpoint import load_checkpoint
+
+            load_checkpoint(self.trainee, record["resume"])
+        self.record = record
+        self.coord.set_state(ACTIVE, rank=self.rank, generation=record["generation"])
+        report = MigrationReport(record["generation"], "start", None, record["to"],
+                                 seconds=time.perf_counter() - t0)
+        self.reports.append(report)
+
+    def _enter_resize(self, record: dict[str, Any]) -> None:
+        """The state exchange in the union world, then the new world's rebuild."""
+        from etcslurm.core.gpt_state import rank_pieces
+        from etcslurm.core.planner import plan
+        from etcslurm.megatron.adapter import finish_restore, local_state
+        from etcslurm.transfer import groups
+        from etcslurm.transfer.executor import ViewIndex, execute_plan
+
+        assert self.coord is not None and self._store is not None
+        cfg = self.cfg
+        gen = int(record["generation"])
+        t0 = time.perf_counter()
+        migration = plan(plan_inputs(self.settings, record))
+        published = [a["worker"] for a in sorted(record["assignment"], key=lambda a: a["rank"])]
+        ids = record["planner_ids"]
+        by_id = {v: k for k, v in ids.items()}
+        if [by_id[d] for d in migration.assignment] != published:
+            raise MigrationError(
+                f"generation {gen}: this worker's plan differs from the leader's "
+                "(planner inputs are not deterministic)"
+            )
+        me = ids[self.worker_id]
+        union = record["union"]
+        new_cfg = ParallelConfig.parse(record["to"])
+        new_rank = self._my_rank(record)
+        held = local_state(self.trainee).items() if self.trainee is not None else []
+        needed: list[tuple[Any, torch.Tensor]] = []
+        if new_rank is not None:
+            from etcslurm.transfer.executor import torch_dtype
+
+            needed = [
+                (p, torch.empty(p.shape, dtype=torch_dtype(p.dtype)))
+                for p in rank_pieces(cfg.spec, new_cfg, new_rank, cfg.optimizer)
+            ]
+        my_msgs = [m for m in migration.messages if me in (m.src, m.dst) and m.src != m.dst]
+        total_send = sum(m.nbytes for m in my_msgs if m.src == me)
+        total_recv = sum(m.nbytes for m in my_msgs if m.dst == me)
+        done = {"sent": 0, "recv": 0}
+
+        def progress(info: dict[str, Any]) -> None:
+            done["sent"] += int(info.get("bytes_sent", 0))
+            done["recv"] += int(info.get("bytes_received", 0))
+            self.coord.emit("migration.progress", gen=gen, worker=self.worker_id, rank=new_rank,
+                            sent=min(done["sent"], total_send), recv=min(done["recv"], total_recv),
+                            total_send=total_send, total_recv=total_recv)
+
+        progress({})
+        groups.configure(self._store, f"{gen}m", union.index(self.worker_id), len(union),
+                         timeout=cfg.collective_timeout)
+        t_x = time.perf_counter()
+        stats = execute_plan(
+            migration, me, {ids[w]: i for i, w in enumerate(union)}, held, needed,
+            staging_cap=cfg.staging_bytes, timeout=cfg.collective_timeout, progress=progress,
+        )
+        transfer_s = time.perf_counter() - t_x
+        groups.teardown()
+        old_layout = record["from"]
+        self.trainee = None  # free the old state
+        if new_rank is None:
+            leaving = self.worker_id in record["leaving"]
+            self.coord.emit("migration.progress", gen=gen, worker=self.worker_id, rank=None,
+                            sent=total_send, recv=total_recv, total_send=total_send,
+                            total_recv=total_recv)
+            if leaving:
+                self.exit_reason = "left"
+                raise LeftRun(f"handed over {stats.bytes_sent} bytes and left")
+            # idle: no layout uses this worker now; wait as a standby
+            self.record = None
+            self._wait_to_join(after=gen)
+            return
+        t_r = time.perf_counter()
+        self.rank = new_rank
+        self._init_world(record, new_cfg)
+        self.trainee = self.build(cfg.spec, new_cfg, cfg)
+        fresh = ViewIndex(local_state(self.trainee).items(), "new model")
+        for piece, tensor in needed:
+            fresh.view(piece).copy_(tensor)
+        del needed
+        finish_restore(self.trainee, record["scalars"])
+        rebuild_s = time.perf_counter() - t_r
+        self.record = record
+        self.coord.set_state(ACTIVE, rank=self.rank, generation=gen)
+        report = MigrationReport(
+            gen, "resize", old_layout, record["to"], seconds=time.perf_counter() - t0,
+            transfer_seconds=transfer_s, rebuild_seconds=rebuild_s,
+            moved_bytes=int(migration.stats.get("moved_bytes", 0)),
+            local_bytes=int(migration.stats.get("local_bytes", 0)),
+            sent_bytes=stats.bytes_sent, received_bytes=stats.bytes_received,
+        )
+        dist.barrier()
+        if self._change_started is not None:
+            report.pause_seconds = time.perf_counter() - self._change_started
+        self.reports.append(report)
+        if self.rank == 0:
+            self.coord.emit(
+                "migration.done", gen=gen, seconds=report.seconds,
+                moved_bytes=report.moved_bytes, local_bytes=report.local_bytes,
+                checkpoint_bytes=0, pause_seconds=report.pause_seconds,
+                transfer_seconds=transfer_s, rebuild_seconds=rebuild_s,
+                **{"from": old_layout, "to": record["to"]},
+            )
+        self._change_started = None
+
+    def _checkpoint_and_leave(self, record: dict[str, Any]) -> None:
+        """Nobody survives: save a checkpoint (all ranks of the old world) and leave."""
+        from etcslurm.baseline.checkpoint import close_default, save_checkpoint
+
+        assert self.coord is not None
+        directory = self._checkpoint_dir()
+        target = directory / f"step{record['step']:08d}"
+        save_checkpoint(self.trainee, target)
+        close_default()
+        dist.barrier()
+        if self.rank == 0:
+            (directory / "latest.json").write_text(json.dumps(
+                {"path": str(target), "step": record["step"], "layout": record["from"]}))
+            self.coord.emit("run.end", reason="preempted: checkpoint written", step=record["step"],
+                            checkpoint=str(target))
+        self.exit_reason = "checkpointed"
+        raise LeftRun("whole run preempted: checkpoint written")
+
+    def _checkpoint_dir(self) -> Path:
+        path = Path(self.cfg.checkpoint_dir or Path(self.cfg.run_dir) / "checkpoint")
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _checkpoint_to_resume(self) -> str | None:
+        latest = self._checkpoint_dir() / "latest.json"
+        if not latest.exists():
+            return None
+        try:
+            return str(json.loads(latest.read_text())["path"])
+        except (OSError, ValueError, KeyError) as exc:
+            raise StateLostError(f"cannot read checkpoint pointer {latest}: {exc}") from None
+
+    # ------------------------------------------------------------------ failures
+    def _recover(self, exc: BaseException) -> None:
+        """A collective failed: a peer probably died.  Rebuild from the survivors."""
+        from etcslurm.transfer import groups
+
+        assert self.coord is not None and self.record is not None
+        cfg = self.cfg
+        current = int(self.record["generation"])
+        log.warning("step failed on %s (%s); recovering", self.worker_id, str(exc)[:200])
+        self._change_started = time.perf_counter()
+        groups.abort()
+        self.coord.emit("error", worker=self.worker_id, message=f"collective failed: {str(exc)[:200]}")
+        world = [a["worker"] for a in self.record["assignment"]]
+        deadline = time.monotonic() + cfg.dead_after * 2 + cfg.collective_timeout
+        while time.monotonic() < deadline:
+            rec = self.coord.current_generation()
+            if rec is not None and int(rec["generation"]) > current:
+                self._follow(rec)
+                return
+            members = self.coord.members()
+            dead = [w for w in world if not members.get(w, {}).get("alive")
+                    or members.get(w, {}).get("state") == GONE]
+            alive_world = [w for w in world if w not in dead]
+            if dead and alive_world and alive_world[0] == self.worker_id:
+                for w in dead:
+                    self.coord.mark_gone(w, "heartbeat lost")
+                self._publish_next(self.step_index, reason=f"recover: {', '.join(dead)} died",
+                                   extra_dead=tuple(dead))
+                continue
+            time.sleep(0.2)
+        raise WaitTimeout(
+            f"worker {self.worker_id}: a step failed ({str(exc)[:120]}) but no peer was found "
+            f"dead and no new generation came within {cfg.dead_after * 2 + cfg.collective_timeout:g} s"
+        )
+
+    # ------------------------------------------------------------------ data log
+    def _log_data(self, step: int, loss: float) -> None:
+        if self._data_log is None or self.record is None:
+            return
+        from megatron.core import parallel_state as ps
+
+        if ps.get_tensor_model_parallel_rank() != 0 or not ps.is_pipeline_first_stage():
+            return
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        per = self.cfg.global_batch // dp
+        start = step * self.cfg.global_batch + dp_rank * per
+        self._data_log.write(json.dumps({
+            "step": step, "gen": self.record["generation"], "layout": self.record["to"],
+            "dp": dp, "dp_rank": dp_rank, "start": start, "stop": start + per,
+            "loss": loss, "worker": self.worker_id,
+        }) + "\n")
+
+
+def run_worker(config: SessionConfig, train_step: Callable[[Any], float] | None = None) -> int:
+    """The whole elastic training loop of one worker; returns its exit code."""
+    if train_step is None:
+        from etcslurm.runtime.train import atomic_train_step as train_step
+    session = ElasticSession(config)
+    try:
+        with session:
+            while not session.finished:
+                with session.step():
+                    loss = train_step(session.trainee)
+                    session.step_done(loss)
+    except LeftRun:
+        session.close(GONE)
+    except EtcslurmError as exc:
+        sys.stderr.write(f"etcslurm worker {session.worker_id}: {exc}\n")
+        session.close(GONE)
+        return exc.exit_code
+    finally:
+        _flush()
+    return 0
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()

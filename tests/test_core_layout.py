@@ -1,0 +1,113 @@
+"""Layouts, model specs and the state model's box arithmetic."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from etcslurm.core.gpt_state import buffer_layout, expand, rank_pieces, stage_params
+from etcslurm.core.layout import ParallelConfig, choose_config, parse_ranges, valid_configs
+from etcslurm.core.models import PRESETS, GPTSpec
+from etcslurm.core.state import Piece, box_numel, flat_range_boxes
+from etcslurm.errors import LayoutError, UsageError
+
+
+def test_rank_order_is_megatron_tp_dp_pp():
+    cfg = ParallelConfig.parse("tp2pp2dp4")
+    assert str(cfg) == "tp2pp2dp4" and cfg.world_size == 16
+    assert cfg.coord(5) == (1, 0, 2)
+    assert cfg.rank_of(1, 1, 3) == 1 + 2 * (3 + 4 * 1)
+    assert all(cfg.rank_of(*cfg.coord(r)) == r for r in range(16))
+
+
+def test_invalid_layouts_name_the_problem_and_alternatives():
+    with pytest.raises(LayoutError, match=r"heads=4 is not divisible by tp=3.*valid for 3"):
+        ParallelConfig(3, 1, 1).validate(PRESETS["gpt-tiny"], 3)
+    with pytest.raises(LayoutError, match="not of the form"):
+        ParallelConfig.parse("tp2dp4")
+    with pytest.raises(LayoutError, match="needs 8 devices, not 6"):
+        ParallelConfig(2, 2, 2).validate(None, 6)
+
+
+def test_choose_config_prime_count_idles_and_keeps_previous():
+    spec = PRESETS["gpt-1.3b"]
+    d = choose_config(13, spec, 8, 80 * 2**30, 1024, 1, "adam")
+    assert d.used_devices == 12 and d.idle_devices == (12,) and "idle" in d.reason
+    assert 1024 % (d.config.dp * 1) == 0
+    assert d.micro_batches_per_rank * d.config.dp == 1024
+    d2 = choose_config(12, spec, 8, None, 1536, 1, "adam", previous=ParallelConfig(2, 2, 4))
+    assert (d2.config.tp, d2.config.pp) == (2, 2)
+    with pytest.raises(LayoutError, match="memory"):
+        choose_config(1, PRESETS["gpt-70b"], 8, 16 * 2**30, 8, 1, "adam")
+
+
+def test_valid_configs_keep_tp_inside_node():
+    for c in valid_configs(16, PRESETS["gpt-tiny"], gpus_per_node=2):
+        assert c.tp <= 2 and c.world_size == 16
+
+
+def test_model_spec_parse_and_presets():
+    s = GPTSpec.parse("layers=4,hidden=64,heads=4,vocab=1024,seq=64")
+    assert s.ffn == 256 and s == PRESETS["gpt-tiny"]
+    assert s.padded_vocab(2) == 1024 and GPTSpec.parse("gpt-tiny").padded_vocab(3) == 1152
+    assert 5.5e10 < PRESETS["gpt-70b"].num_params() < 7.5e10
+    assert 1.2e9 < PRESETS["gpt-1.3b"].num_params() < 1.5e9
+    for bad in ("gpt-nope", "layers=4,hidden=64", "layers=x,hidden=64,heads=4,vocab=1,seq=1",
+                "layers=4,hidden=65,heads=4,vocab=10,seq=8"):
+        with pytest.raises(UsageError):
+            GPTSpec.parse(bad)
+
+
+def test_flat_range_boxes_cover_exactly():
+    box = ((2, 5), (0, 4), (1, 4))
+    n = box_numel(box)
+    for s, e in itertools.combinations(range(n + 1), 2):
+        boxes = flat_range_boxes(box, s, e)
+        assert len(boxes) <= 2 * len(box) - 1
+        assert sum(box_numel(b) for b in boxes) == e - s
+
+
+def test_piece_intersection_and_json():
+    a = Piece("w", ((0, 4), (0, 4)), "float32")
+    b = Piece("w", ((2, 6), (1, 3)), "float32")
+    assert a.intersect(b) == Piece("w", ((2, 4), (1, 3)), "float32")
+    assert a.nbytes == 64 and Piece.from_json(a.to_json()) == a
+    assert a.intersect(Piece("v", a.box, "float32")) is None
+
+
+def test_gpt_state_tp_shards_tile_the_tensors():
+    spec = GPTSpec(layers=4, hidden=32, heads=4, ffn=64, vocab=200, seq=16,
+                   tied_embeddings=False)
+    for opt in ("adam", "distributed"):
+        cfg = ParallelConfig(2, 2, 2)
+        st = expand(spec, cfg, opt)
+        per_dp0 = [p for r in range(cfg.world_size) if cfg.coord(r).dp == 0
+                   for p in st.pieces(r) if not p.key.startswith("optimizer")]
+        total = sum(p.numel for p in per_dp0 if "position" not in p.key
+                    and "layer_norm" not in p.key and "final" not in p.key
+                    and not p.key.endswith("proj.bias") and not p.key.endswith("fc2.bias"))
+        h, f, v = 32, 64, spec.padded_vocab(2)
+        assert total == 4 * (3 * h * h + 3 * h + h * h + 2 * f * h + f) + 2 * v * h
+        if opt == "distributed":  # ZeRO-1 shards over dp tile each (tp, pp) buffer once
+            for tp, pp in itertools.product(range(2), range(2)):
+                n = sum(p.numel for d in range(2)
+                        for p in rank_pieces(spec, cfg, cfg.rank_of(tp, pp, d), opt)
+                        if p.key.startswith("optimizer.state.exp_avg."))
+                assert n == sum(q.numel for q in stage_params(spec, cfg, tp, pp))
+
+
+def test_buffer_layout_pads_like_megatron():
+    spec = GPTSpec(layers=2, hidden=24, heads=2, ffn=40, vocab=100, seq=8)
+    params = stage_params(spec, ParallelConfig(1, 2, 3), 0, 0)
+    buckets, index = buffer_layout(params, 3, None)
+    assert all(s % 64 == 0 for s, _, _ in index)
+    assert all((e - s) % 384 == 0 for s, e in buckets)  # lcm(3, 128)
+    # shared embedding (tied, PP > 1) sits alone in the last bucket
+    assert len(buckets) == 2 and index[0][2] == 1
+
+
+def test_parse_ranges():
+    assert parse_ranges("4-6,9") == [4, 5, 6, 9]
+    with pytest.raises(LayoutError):
+        parse_ranges("7-4")

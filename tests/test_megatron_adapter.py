@@ -1,0 +1,84 @@
+"""The megatron-core adapter on real megatron-core + gloo, in separate processes.
+
+Every multi-process check runs ``python -m etcslurm.megatron.selftest`` once per rank
+(the CPU shim patches torch globally, so it never runs inside the pytest process) and
+asserts on the JSON the ranks write.  Model: layers=4 hidden=64 heads=4 vocab=1024
+seq=32, global batch 4.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from etcslurm.megatron.selftest import launch
+
+TIMEOUT_S = 420
+
+
+def test_cpu_shim_maps_cuda_to_cpu_only_without_gpu() -> None:
+    code = (
+        "import torch\n"
+        "from etcslurm.megatron import cpu_shim\n"
+        "assert not torch.cuda.is_available()\n"
+        "assert cpu_shim.install_if_needed() is True\n"
+        "assert cpu_shim.install_if_needed() is True  # idempotent\n"
+        "t = torch.empty(3, device='cuda')\n"
+        "assert t.device.type == 'cpu', t.device\n"
+        "assert torch.zeros(2).cuda().device.type == 'cpu'\n"
+        "assert torch.zeros(2).to('cuda:0').device.type == 'cpu'\n"
+        "assert torch.zeros(2).type() == 'torch.cuda.FloatTensor'\n"
+        "assert torch.cuda.current_device() == 0\n"
+        "s = torch.cuda.get_rng_state(); torch.cuda.set_rng_state(s)\n"
+        "print('ok', len(cpu_shim.PATCHED))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("ok")
+
+
+@pytest.mark.slow
+def test_live_views_alias_storage_and_restore_bit_exact(tmp_path) -> None:
+    """The P2P contract: pieces copied view-to-view into a fresh distributed-optimizer
+    trainee (+ scalars through JSON) give the same state and the same losses, bit for bit."""
+    r = launch(
+        "selfcopy",
+        2,
+        ["--from", "tp1pp1dp2", "--optimizer", "distributed", "--steps-after", "2"],
+        tmp_path,
+        TIMEOUT_S,
+    )
+    for rank in r:
+        assert rank["same_pieces"] and rank["separate_storage"]
+        assert rank["state_equal"]
+        assert rank["piece_kinds"] == ["exp_avg", "exp_avg_sq", "param"]
+        assert rank["scalars_iteration"] == 2
+        assert rank["losses_after"] == rank["losses_continued"]
+    # DP ranks hold different optimizer shards
+    assert r[0]["losses_after"] == r[1]["losses_after"]
+
+
+@pytest.mark.slow
+def test_parallel_state_rebuild_does_not_leak(tmp_path) -> None:
+    """10 rebuilds over all layouts of 4 ranks in the same processes: the same layout
+    costs the same threads, groups and (±4) fds each time; teardown returns to the start."""
+    results = launch("rebuild", 4, ["--rebuilds", "10"], tmp_path, TIMEOUT_S)
+    for rank in results:
+        rows = rank["rows"]
+        assert len(rows) == 10
+        by_layout: dict[str, list[dict]] = {}
+        for row in rows:
+            by_layout.setdefault(row["layout"], []).append(row)
+        for layout, seen in by_layout.items():
+            # a leaked rebuild keeps ~17 groups: dozens of threads and sockets each time;
+            # a socket or two may still be closing asynchronously
+            first, last = seen[0], seen[-1]
+            assert (last["threads"], last["groups"]) == (first["threads"], first["groups"]), layout
+            assert last["fds"] <= first["fds"] + 4, layout
+        assert rank["after_teardown"]["threads"] <= rank["before"]["threads"] + 1
+        assert rank["after_teardown"]["fds"] <= rank["before"]["fds"] + 2
+        assert all(r["probe"] > 0 for r in rows)

@@ -1,0 +1,69 @@
+"""The elastic runtime end to end on a real Redis: real worker processes, real signals,
+real megatron-core training on gloo, compared with a run that never resized."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from etcslurm.runtime.launcher import LOSS_TOLERANCE, DemoOptions, run_demo
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+
+def _data_positions(run_dir: Path, steps: int, global_batch: int) -> None:
+    """Every sample of every step consumed exactly once (from the data-position logs)."""
+    by_step: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    for log in run_dir.glob("data-*.jsonl"):
+        for line in log.read_text().splitlines():
+            e = json.loads(line)
+            by_step[e["step"]].append((e["gen"], e["start"], e["stop"]))
+    assert sorted(by_step) == list(range(steps))
+    for step, entries in by_step.items():
+        last_gen = max(g for g, _, _ in entries)
+        ranges = sorted((a, b) for g, a, b in entries if g == last_gen)
+        covered = [i for a, b in ranges for i in range(a, b)]
+        assert covered == list(range(step * global_batch, (step + 1) * global_batch)), step
+
+
+def _pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def test_leave_join_leave_matches_reference(redis_url: str, run_id: str, tmp_path: Path) -> None:
+    steps, gb = 16, 12
+    opts = DemoOptions(workers=4, steps=steps, schedule="4:leave=1;8:join=2;12:leave=2",
+                       redis=redis_url, run_id=run_id, run_dir=str(tmp_path), global_batch=gb,
+                       keep_keys_s=5)
+    result = run_demo(opts)
+    kinds = [(g["kind"], g["from"], g["to"]) for g in result.generations]
+    assert kinds[0] == ("start", None, "tp1pp1dp4")
+    assert [k for k, _, _ in kinds] == ["start", "resize", "resize", "resize"]
+    assert [g["to"] for g in result.generations] == ["tp1pp1dp4", "tp1pp1dp3", "tp1pp1dp4",
+                                                    "tp1pp1dp3"]
+    assert len(result.losses) == steps
+    assert result.max_loss_diff is not None and result.max_loss_diff <= LOSS_TOLERANCE
+    assert result.loss_match
+    # leavers exit 0 after handing over; the finishers exit 0
+    assert all(code == 0 for code in result.exit_codes.values()), result.exit_codes
+    _data_positions(tmp_path, steps, gb)
+    assert _pids_alive(result.pids) == [], "no worker process may outlive the run"
+    assert result.keys_left >= 0  # keys given a TTL: they expire, checked below
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    keys = r.keys(f"etcslurm:{run_id}:*")
+    assert all(0 < r.pttl(k) <= 5000 for k in keys), "run keys must expire"
+    migrations = result.migrations
+    assert len(migrations) == 3 and all(m["pause_seconds"] is not None for m in migrations)

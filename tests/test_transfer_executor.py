@@ -1,0 +1,97 @@
+"""Executor and process-group lifecycle on real gloo with synthetic tensors (4 processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from etcslurm.bench.launch import launch
+from etcslurm.bench.synthetic import SynthMessage, global_tensor, needed_pieces, synthetic_plan
+from etcslurm.core.state import Piece
+from etcslurm.errors import MigrationError
+from etcslurm.transfer.executor import checksum, execute, message_layout, staging_bytes_per_round
+
+N = 4
+
+
+@pytest.fixture(scope="module")
+def selftest() -> list[dict]:
+    return launch("etcslurm.bench.synthetic:executor_selftest", N, {"repeats": 10, "wait": 3},
+                  timeout=240)
+
+
+def test_every_migration_is_exact(selftest: list[dict]) -> None:
+    for r in selftest:
+        assert r["exact"] == [True] * 10
+        assert r["exact_after_abort"] is True
+
+
+def test_staging_peak_is_measured_and_under_cap(selftest: list[dict]) -> None:
+    for r in selftest:
+        stats = r["stats"]
+        assert 0 < stats["peak_staging_bytes"] <= r["cap"]
+        assert stats["rounds"] == 2
+        assert stats["messages_sent"] == N - 1 and stats["messages_received"] == N - 1
+        assert max(e["staging_bytes"] for e in stats["per_round"]) <= stats["peak_staging_bytes"]
+        assert stats["bytes_local"] > 0
+
+
+def test_progress_callback_reports_each_round(selftest: list[dict]) -> None:
+    for r in selftest:
+        events = r["progress_events"]
+        assert [e["round_index"] for e in events] == [0, 1]
+        assert sum(e["bytes_received"] for e in events) == r["stats"]["bytes_received"] > 0
+
+
+def test_checksum_mismatch_is_detected_and_named(selftest: list[dict]) -> None:
+    err = selftest[1]["corrupt_error"]
+    assert err is not None and err.startswith("MigrationError: checksum mismatch")
+    assert "0 -> 1" in err and "first piece t0" in err
+    assert selftest[0]["corrupt_error"] is None
+
+
+def test_wait_is_bounded_and_named(selftest: list[dict]) -> None:
+    err = selftest[1]["timeout_error"]
+    assert err is not None and err.startswith("WaitTimeout") and "peers 0" in err
+    assert selftest[1]["timeout_seconds"] < 20
+
+
+def test_ten_migrations_leak_nothing(selftest: list[dict]) -> None:
+    for r in selftest:
+        usage = r["usage"]
+        assert len(usage) == 10
+        # after the first two generations (lazy imports, allocator warm-up) nothing grows
+        assert usage[-1]["os_threads"] <= usage[1]["os_threads"]
+        assert usage[-1]["fds"] <= usage[1]["fds"]
+        assert usage[-1]["rss_bytes"] - usage[1]["rss_bytes"] < 16 << 20
+
+
+def test_staging_cap_is_enforced_before_anything_moves() -> None:
+    messages, local = synthetic_plan(N)
+    need = staging_bytes_per_round(messages, "0")
+    with pytest.raises(MigrationError, match="over the cap"):
+        execute(messages, local["0"], "0", {str(i): i for i in range(N)}, [], [],
+                staging_cap=max(need.values()) - 1)
+
+
+def test_layout_aligns_each_dtype_and_ends_with_checksum_word() -> None:
+    slices = [Piece("a", ((0, 3),), "bfloat16"), Piece("b", ((0, 2),), "int64"),
+              Piece("c", ((0, 1),), "uint8")]
+    layout = message_layout(slices)
+    assert layout.offsets == (0, 8, 24)
+    assert layout.payload == 32 and layout.size == 40
+
+
+def test_checksum_detects_a_single_bit_flip() -> None:
+    buf = torch.arange(64, dtype=torch.uint8)
+    before = int(checksum(buf))
+    buf[5] ^= 1
+    assert int(checksum(buf)) != before
+
+
+def test_plan_mismatch_is_named() -> None:
+    piece = needed_pieces(0, 1, N)[0]
+    msg = SynthMessage(0, "1", "0", (piece,))
+    held = [(Piece("t0", ((0, 2), (0, 2)), "float32"), global_tensor("t0")[:2, :2])]
+    with pytest.raises(MigrationError, match=r"no held \(1\) piece contains t0"):
+        execute([msg], [], "1", {"0": 0, "1": 1}, held, [])
