@@ -29,7 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     opts = ["adam", "distributed"] if args.optimizer == "both" else [args.optimizer]
     print(f"{'optimizer':11} {'model':8} {'from':>12} {'to':>12} {'devices':>7} "
-          f"{'inputs_s':>8} {'plan_s':>7} {'rss_MiB':>8} {'moved_GiB':>9} {'messages':>8}")
+          f"{'inputs_s':>8} {'plan_s':>7} {'cpu_s':>6} {'rss_MiB':>8} {'moved_GiB':>9} {'messages':>8}")
     for opt in opts:
         for model, old, new in CASES:
             leave = [str(r) for r in range(old.world_size) if old.coord(r).dp >= new.dp]
@@ -37,11 +37,13 @@ def main() -> None:
             inputs = gpt_inputs(PRESETS[model], old, new, leave, 0, 8, opt)
             t1 = time.perf_counter()
             t2 = time.perf_counter()
+            c2 = time.process_time()
             p = plan(inputs)
             t3 = time.perf_counter()
+            c3 = time.process_time()
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             print(f"{opt:11} {model:8} {old!s:>12} {new!s:>12} {old.world_size:>7} "
-                  f"{t1 - t0:8.2f} {t3 - t2:7.2f} {peak / 2**20:8.0f} "
+                  f"{t1 - t0:8.2f} {t3 - t2:7.2f} {c3 - c2:6.2f} {peak / 2**20:8.0f} "
                   f"{p.stats['moved_bytes'] / 2**30:9.1f} {p.stats['messages']:>8}", flush=True)
 
 

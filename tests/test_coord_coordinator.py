@@ -15,7 +15,7 @@ from etcslurm.errors import CoordinatorError, UsageError, WaitTimeout
 
 pytestmark = pytest.mark.redis
 
-FAST = {"heartbeat_interval": 0.1, "dead_after": 0.6}
+FAST = {"heartbeat_interval": 0.2, "dead_after": 1.5}  # margin for 2 busy cores
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_leader_reelected_when_leader_leaves_or_dies(make):
     cs[2].stop_heartbeat()  # the new leader dies -> rank 2 leads once it is detected
     t0 = time.monotonic()
     while cs[0].leader() != ids[0]:
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < cs[0].dead_after + 1.5
         time.sleep(0.05)
     assert cs[0].is_leader()
 
@@ -142,7 +142,7 @@ def test_barrier_reports_dead_participant_early(make):
     t0 = time.monotonic()
     with pytest.raises(BarrierTimeout) as exc:
         cs[0].barrier("b", ids, timeout=30)
-    assert time.monotonic() - t0 < 2.0  # not the full 30 s
+    assert time.monotonic() - t0 < 5.0  # not the full 30 s
     assert exc.value.dead == [ids[2]]
     assert f"{ids[2]} died" in str(exc.value)
 
@@ -291,3 +291,23 @@ def test_large_barrier_passes_and_neighbours_report_a_death(make, client):
     assert len(errors) == n - 1
     assert all(e.dead == [ids[5]] and e.missing == [ids[5]] for e in errors)
     assert f"{ids[5]} died or left" in str(errors[0])
+
+
+def test_end_run_is_final_for_live_workers(make, client):
+    a, b = make(), make()
+    a.register()
+    wb = b.register()
+    assert a.end_run() > 0
+    t0 = time.monotonic()
+    while not b.ended:  # b's heartbeat learns it and stops
+        assert time.monotonic() - t0 < 5
+        time.sleep(0.05)
+    time.sleep(3 * b.heartbeat_interval)
+    assert a.run_keys() == []  # nothing re-created by b's heartbeat
+    assert client.redis.exists(a.keys.hb(wb)) == 0
+    assert 0 < client.redis.pttl(a.keys.ended) <= 60_000
+    b.set_state("gone")  # an exiting worker's last writes do not re-create keys
+    assert b.emit("step", step=9) == ""
+    assert a.run_keys() == []
+    with pytest.raises(CoordinatorError, match=rf"run {a.run_id} has ended"):
+        make().register()

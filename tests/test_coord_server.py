@@ -110,7 +110,7 @@ def test_restart_clients_reconnect_and_membership_heals(server):
     assert watcher.current_generation() is None
     t0 = time.monotonic()
     while wid not in watcher.members():
-        assert time.monotonic() - t0 < 3, "worker entry not healed by its heartbeat"
+        assert time.monotonic() - t0 < 10, "worker entry not healed by its heartbeat"
         time.sleep(0.05)
     info = watcher.members()[wid]
     assert info["state"] == "active" and info["rank"] == 0 and info["alive"]
@@ -136,8 +136,11 @@ def test_call_survives_short_outage(server):
     assert pub.publish_generation({"generation": 0})
     t.join(20)
     assert got and got[0]["generation"] == 0
-    time.sleep(0.5)
-    assert co.last_beat_error is None and co._thread is not None and co._thread.is_alive()
+    t0 = time.monotonic()
+    while co.last_beat_error is not None:  # the heartbeat thread recovers by itself
+        assert time.monotonic() - t0 < 5
+        time.sleep(0.05)
+    assert co._thread is not None and co._thread.is_alive()
     co.stop_heartbeat()
 
 
@@ -157,8 +160,11 @@ def test_redis_unreachable_30s_is_survivable(server):
     t.join(40)
     assert got, "barrier did not complete after the outage"
     assert time.monotonic() - t0 >= 30
-    time.sleep(1.5)
-    assert co.last_beat_error is None and co.worker_id in co.members()
+    t1 = time.monotonic()
+    while co.last_beat_error is not None:
+        assert time.monotonic() - t1 < 10
+        time.sleep(0.1)
+    assert co.worker_id in co.members() and co.members()[co.worker_id]["alive"]
     co.stop_heartbeat()
 
 
@@ -174,6 +180,25 @@ def test_server_stops_when_owner_exits(tmp_path):
     t0 = time.monotonic()
     while _alive(pid):
         assert time.monotonic() - t0 < 5, f"redis-server {pid} left behind"
+        time.sleep(0.05)
+
+
+def test_server_stops_when_owner_is_killed(tmp_path):
+    code = (
+        "import sys, time; from etcslurm.coord.server import BundledRedis;"
+        "s = BundledRedis(sys.argv[1]).start(); print(s.pid, flush=True); time.sleep(60)"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        pid = int(owner.stdout.readline())
+        assert _alive(pid)
+    finally:
+        owner.kill()  # SIGKILL: no atexit
+        owner.wait()
+    t0 = time.monotonic()
+    while _alive(pid):
+        assert time.monotonic() - t0 < 5, f"redis-server {pid} outlived its killed owner"
         time.sleep(0.05)
 
 
@@ -195,6 +220,17 @@ def test_cli_start_url_stop(tmp_path):
         connect(full).close()
         again = _cli("start", str(run))  # idempotent: same server
         assert again.returncode == 0 and again.stdout.strip() == url
+        granted = _cli("grant", str(run), "clirun")
+        assert granted.returncode == 0, granted.stderr
+        user_url = granted.stdout.strip()
+        assert user_url.startswith("redis://etcslurm-clirun@127.0.0.1:")
+        pw = run / "etcslurm-clirun.password"
+        assert _mode(pw) == 0o600
+        uc = connect(user_url, pw)
+        assert Coordinator(uc, "clirun").register(heartbeat=False) == "w1"
+        with pytest.raises(CoordinatorError, match="denied access"):
+            Coordinator(uc, "another").register()
+        uc.close()
     finally:
         assert _cli("stop", str(run)).returncode == 0
     assert not _alive(int(state["pid"]))

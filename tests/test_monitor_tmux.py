@@ -37,13 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Tmux:
-    """One private tmux server (own socket) running one command in a W×H window."""
+    """One private tmux server (own socket in ``directory``) running one command."""
 
-    def __init__(self) -> None:
-        self.socket = f"etcslurm-test-{uuid.uuid4().hex[:8]}"
+    def __init__(self, directory: Path) -> None:
+        self.socket = str(directory / f"tmux-{uuid.uuid4().hex[:6]}.sock")
 
     def tmux(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run([TMUX, "-L", self.socket, *args], capture_output=True,
+        return subprocess.run([TMUX, "-S", self.socket, *args], capture_output=True,
                               text=True, timeout=10, check=check)
 
     def start(self, command: str, width: int = 80, height: int = 24) -> None:
@@ -69,6 +69,7 @@ class Tmux:
 
     def close(self) -> None:
         self.tmux("kill-server", check=False)
+        Path(self.socket).unlink(missing_ok=True)
 
 
 def expect(screen: str, *needles: str) -> None:
@@ -107,10 +108,10 @@ def start_run(redis_url: str, run_id: str, gates: dict[str, threading.Event]) ->
     return thread
 
 
-def test_monitor_in_tmux_through_a_resize(redis_url: str, run_id: str) -> None:
+def test_monitor_in_tmux_through_a_resize(redis_url: str, run_id: str, tmp_path: Path) -> None:
     gates = {name: threading.Event() for name in ("preempt", "mid_migration", "end")}
     player = start_run(redis_url, run_id, gates)
-    term = Tmux()
+    term = Tmux(tmp_path)
     # COLUMNS/LINES (pytest exports them) would pin rich to one size: drop them
     env = f"-u COLUMNS -u LINES PYTHONPATH={shlex.quote(str(ROOT))} TERM=xterm-256color"
     command = (f"env {env} {shlex.quote(sys.executable)} -m etcslurm monitor "

@@ -88,14 +88,28 @@ def _persistent_writer_loop(*args: Any, **kwargs: Any) -> None:
     ``PersistentAsyncCaller.async_loop``, which starts with
     ``torch.cuda.set_device(rank % torch.cuda.device_count())`` — on a CPU-only machine a
     ZeroDivisionError that leaves the trainer waiting forever.  This runs the shim (and a
-    device count of 1) in the writer first, then megatron's own loop.
+    device count of 1) in the writer first, then megatron's own loop; and the writer exits
+    when its trainer process dies.
     """
+    import threading
+
     import torch
 
     from etcslurm.megatron import cpu_shim
 
     if cpu_shim.install_if_needed():
         torch.cuda.device_count = lambda: 1
+    parent = os.getppid()
+
+    def _exit_with_parent() -> None:
+        # megatron's writer blocks on its queue forever when the trainer dies (a crashed
+        # or killed run left 200+ MB writers behind): leave when the parent is gone
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=_exit_with_parent, name="etcslurm-writer-guard", daemon=True).start()
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
 
     loop = PersistentAsyncCaller.__dict__["async_loop"]
@@ -109,15 +123,14 @@ _ORIGINAL_LOOP: Any = None
 
 
 def _route_writer_through_shim() -> None:
-    """On CPU, make megatron's persistent writer start via :func:`_persistent_writer_loop`."""
+    """Make megatron's persistent writer start via :func:`_persistent_writer_loop` (the
+    shim only applies without a GPU; the parent-death guard always)."""
     global _ORIGINAL_LOOP
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
 
-    from etcslurm.megatron import cpu_shim
-
     current = PersistentAsyncCaller.__dict__["async_loop"]
     current = getattr(current, "__func__", current)
-    if not cpu_shim.installed() or current is _persistent_writer_loop:
+    if current is _persistent_writer_loop:
         return
     _ORIGINAL_LOOP = current
     PersistentAsyncCaller.async_loop = staticmethod(_persistent_writer_loop)

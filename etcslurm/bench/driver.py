@@ -133,7 +133,7 @@ def run(request: MigrateRequest, poll: Callable[[Any], None] | None = None) -> d
     try:
         config = request.worker_config(work, ckpt)
         results = launch("etcslurm.bench.migrate_worker:migrate", nprocs, config,
-                         timeout=request.timeout * 4, poll=poll)
+                         timeout=request.timeout * 4 + 300, poll=poll)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if request.ckpt_dir:
@@ -173,6 +173,8 @@ def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, An
         "join": request.join,
         "optimizer": request.optimizer,
         "processes": len(results),
+        "roles": {r["device"]: r.get("role") for r in results},
+        "assignment": {str(r["new_rank"]): r["device"] for r in new},
         "repeat": request.repeat,
         "p2p_seconds": p2p,
         "p2p_plan_seconds": plan_s,

@@ -81,7 +81,21 @@ def migrate(ctx: WorkerContext) -> dict[str, Any]:
     try:
         return _migrate(ctx, out, baseline, device)
     finally:
+        _close(baseline)
+
+
+def _close(baseline: Any) -> None:
+    """Stop the checkpoint writer while a process group still exists (megatron's close
+    asks for the rank); idempotent."""
+    if getattr(baseline, "_etcslurm_closed", False):
+        return
+    baseline._etcslurm_closed = True
+    if not dist.is_initialized():
+        groups.configure_local()
+    try:
         baseline.close()
+    finally:
+        groups.teardown()
 
 
 def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str) -> dict[str, Any]:
@@ -186,7 +200,7 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
     out["plan_stats"] = plan.stats
     out["new_rank"] = new_rank
     if new_rank is None:  # leaving or idle: pieces handed over, done
-        groups.teardown()
+        _close(baseline)
         out["role"] = "leaving" if index in leave else "idle"
         progress("done")
         return out
@@ -243,7 +257,7 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         ref_losses = [train_step(ref) for _ in range(int(c.get("steps_before", 2)) + steps_after)]
         out["losses_reference"] = ref_losses[-steps_after:] if steps_after else []
         ref = None
-    groups.teardown()
+    _close(baseline)
     progress("done")
     return out
 

@@ -7,6 +7,7 @@ import argparse
 import faulthandler
 import importlib
 import json
+import os
 import signal
 import sys
 import traceback
@@ -56,13 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         result = fn(WorkerContext(args.index, args.nprocs, store, config))
     except Exception:
         traceback.print_exc()
-        return 1
+        sys.stderr.flush()
+        os._exit(1)  # no interpreter teardown (see below)
     with open(args.result + ".tmp", "w") as fh:
         json.dump(result if result is not None else {}, fh)
-    import os
-
     os.replace(args.result + ".tmp", args.result)
-    return 0
+    # leave without interpreter teardown: megatron's async-checkpoint objects and process
+    # group destructors can block in the final garbage collection after the work is done
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

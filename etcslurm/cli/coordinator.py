@@ -1,4 +1,4 @@
-"""``etcslurm coordinator start|stop|url RUN_DIR`` — a bundled Redis for a run directory.
+"""``etcslurm coordinator start|stop|url|grant RUN_DIR`` — a bundled Redis for a run directory.
 
 Why a command: operators (and the sbatch templates) need a coordinator that outlives
 the workers, on a known port with a private password, without writing a Redis config by
@@ -47,6 +47,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("--with-password", action="store_true",
                    help="include the password in the URL (keep it out of logs)")
     u.set_defaults(func=_url)
+    g = sub.add_parser(
+        "grant",
+        help="create a per-run ACL user that may only touch that run's keys; print its URL",
+    )
+    g.add_argument("run_dir", metavar="RUN_DIR")
+    g.add_argument("run_id", metavar="RUN_ID")
+    g.set_defaults(func=_grant)
 
 
 def _check_port(port: int) -> None:
@@ -115,4 +122,22 @@ def _url(args: argparse.Namespace) -> int:
     if args.with_password:
         url = with_password(url, read_password_file(str(state["password_file"])))
     print(url)
+    return 0
+
+
+def _grant(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from etcslurm.coord.acl import grant_run_user
+    from etcslurm.coord.client import connect, redact, with_password
+    from etcslurm.coord.server import _write_private, read_state
+
+    state = read_state(args.run_dir)
+    admin = connect(str(state["url"]), str(state["password_file"]))
+    user, password = grant_run_user(admin, args.run_id)
+    admin.close()
+    pw_file = Path(args.run_dir) / f"{user}.password"
+    _write_private(pw_file, password + "\n")
+    sys.stderr.write(f"password of {user} written to {pw_file} (mode 0600)\n")
+    print(redact(with_password(str(state["url"]), password, username=user)).replace(":***", ""))
     return 0

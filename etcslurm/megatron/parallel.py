@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import os
 import time
 
 import torch
@@ -57,7 +58,9 @@ def init_world(
     t0 = time.perf_counter()
     backend = backend or default_backend()
     if backend == "nccl" and torch.cuda.is_available():
-        torch.cuda.set_device(torch.cuda.current_device())
+        # one GPU per process: LOCAL_RANK (torchrun/srun wrappers) or rank modulo GPUs
+        local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID")
+        torch.cuda.set_device(int(local) if local else rank % torch.cuda.device_count())
     dist.init_process_group(
         backend=backend,
         store=dist.PrefixStore(f"gen{generation}", store),

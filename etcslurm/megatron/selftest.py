@@ -164,10 +164,13 @@ def scenario_rebuild(args: argparse.Namespace, store: Any) -> dict[str, Any]:
     from etcslurm.megatron import adapter
 
     layouts = [ParallelConfig.parse(t) for t in args.to] or valid_configs(args.world)
+    # one warm-up cycle: torch starts a few process-wide threads on the first init
+    adapter.init_parallel(layouts[0], args.rank, args.world, store, 0)
+    adapter.teardown()
     start = _counts()
     rows = []
-    for gen in range(args.rebuilds):
-        cfg = layouts[gen % len(layouts)]
+    for gen in range(1, args.rebuilds + 1):
+        cfg = layouts[(gen - 1) % len(layouts)]
         seconds = adapter.rebuild_parallel(cfg, args.rank, args.world, store, gen)
         from megatron.core import parallel_state
 

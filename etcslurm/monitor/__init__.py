@@ -1,0 +1,8 @@
+"""The live monitor, fed only from the coordinator's keys and event stream.
+
+* :mod:`etcslurm.monitor.model` — pure fold of events + keys into a ``RunView``.
+* :mod:`etcslurm.monitor.render` — rich renderables; ``render_run(view) -> str``.
+* :mod:`etcslurm.monitor.source` — reading a run through the coordinator API.
+* :mod:`etcslurm.monitor.live` — the refresh loop (rich Live / plain lines).
+* :mod:`etcslurm.monitor.scenario` — a scripted resize for tests, docs and trying it out.
+"""

@@ -26,6 +26,8 @@ BLOCK_MS = 250
 KEYS_EVERY = 0.5
 REFRESH = 0.4
 MIN_REDRAW = 0.1
+#: Set by Ctrl-C / SIGTERM: the loops finish their turn and return 0.
+STOP = threading.Event()
 
 
 def plain_line(event: Event, model: RunModel) -> str | None:
@@ -64,7 +66,7 @@ def follow_plain(source: RunSource, model: RunModel, out: TextIO, stop_at_end: b
     """Print one line per event (history first, then as they come); ends at ``run.end``."""
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
     block = 0
-    while True:
+    while not STOP.is_set():
         events = source.read_events(model.last_id, block_ms=block)
         for e in events:
             text = plain_line(e, model)
@@ -76,6 +78,7 @@ def follow_plain(source: RunSource, model: RunModel, out: TextIO, stop_at_end: b
         if deadline is not None and time.monotonic() >= deadline:
             return 0
         block = BLOCK_MS if not events else 0
+    return 0
 
 
 def follow_live(source: RunSource, model: RunModel, console: Console,
@@ -90,7 +93,7 @@ def follow_live(source: RunSource, model: RunModel, console: Console,
 
     with Live(screen(), console=console, screen=True, auto_refresh=False,
               redirect_stdout=False, redirect_stderr=False) as live:
-        while deadline is None or time.monotonic() < deadline:
+        while not STOP.is_set() and (deadline is None or time.monotonic() < deadline):
             # sleep in XREAD until an event comes or the next redraw is due
             wait = min(BLOCK_MS / 1000, last_draw + REFRESH - time.monotonic())
             events = source.read_events(model.last_id, block_ms=max(1, int(wait * 1000)))
@@ -109,15 +112,21 @@ def follow_live(source: RunSource, model: RunModel, console: Console,
     return 0
 
 
-def _stop_on_term() -> None:
-    """SIGTERM (``etcslurm demo`` ending its monitor) leaves like Ctrl-C, so the terminal
-    gets its normal screen and cursor back instead of staying in the alternate screen."""
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM (``etcslurm demo`` ending its monitor) ask the loop to stop at its
+    next turn (≤ ``BLOCK_MS``) rather than raising in the middle of a screen write, so the
+    terminal always gets its normal screen and cursor back.  A second Ctrl-C stops at once.
+    """
+    STOP.clear()
     if threading.current_thread() is not threading.main_thread():
         return
 
     def stop(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+        if STOP.is_set():
+            raise KeyboardInterrupt
+        STOP.set()
 
+    signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
 
 
@@ -127,7 +136,7 @@ def monitor(source: RunSource, once: bool = False, out: TextIO | None = None,
     out = out or sys.stdout
     tty = out.isatty() if tty is None else tty
     model = RunModel(source.run)
-    _stop_on_term()
+    _stop_on_signals()
     try:
         if once:
             source.catch_up(model)

@@ -69,12 +69,12 @@ def _assignment(
 def first_generation(
     settings: RunSettings, workers: Sequence[str], nodes: Mapping[str, str], step: int = 0
 ) -> dict[str, Any]:
-    """Generation 1: the first ``used`` workers (in registration order) form the world."""
+    """Generation 0: the first ``used`` workers (in registration order) form the world."""
     decision = settings.choose(len(workers), None)
     world = list(workers[: decision.used_devices])
     cfg = decision.config
     return {
-        "generation": 1,
+        "generation": 0,  # the coordinator's generation CAS starts from an empty key at 0
         "kind": "start",
         "step": step,
         "from": None,
@@ -120,6 +120,27 @@ def plan_inputs(settings: RunSettings, record: Mapping[str, Any]) -> PlanInputs:
         joiners=joiners,
         staging_bytes=settings.staging_bytes,
     )
+
+
+def worth_changing(
+    settings: RunSettings,
+    current: Mapping[str, Any],
+    *,
+    leaving: Sequence[str],
+    dead: Sequence[str],
+    ready: Sequence[str],
+) -> bool:
+    """Whether the world must change now: someone leaves or died, or the ready workers
+    would give a different layout (an idle standby that fits nowhere is no reason)."""
+    world = [a["worker"] for a in current["assignment"]]
+    gone = (set(leaving) | set(dead)) & set(world)
+    if gone:
+        return True
+    joiners = [w for w in ready if w not in world]
+    if not joiners:
+        return False
+    decision = settings.choose(len(world) + len(joiners), ParallelConfig.parse(current["to"]))
+    return decision.config != ParallelConfig.parse(current["to"])
 
 
 def next_generation(

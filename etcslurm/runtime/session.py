@@ -48,7 +48,13 @@ from etcslurm.coord.store import RedisStore
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
 from etcslurm.errors import EtcslurmError, MigrationError, StateLostError, WaitTimeout
-from etcslurm.runtime.generation import RunSettings, first_generation, next_generation, plan_inputs
+from etcslurm.runtime.generation import (
+    RunSettings,
+    first_generation,
+    next_generation,
+    plan_inputs,
+    worth_changing,
+)
 
 log = logging.getLogger("etcslurm.runtime")
 
@@ -297,14 +303,10 @@ class ElasticSession:
 
     def _leader_sees_change(self) -> bool:
         assert self.coord is not None and self.record is not None
-        world = {a["worker"] for a in self.record["assignment"]}
-        members = self.coord.members()
-        for wid, info in members.items():
-            if wid in world and (info["state"] == LEAVING or not info.get("alive", True)):
-                return True
-            if wid not in world and info.get("alive") and info["state"] in (JOINING, ACTIVE):
-                return True
-        return bool(self.coord.pending_change())
+        leaving, dead, ready, _nodes = self._world_view()
+        if worth_changing(self.settings, self.record, leaving=leaving, dead=dead, ready=ready):
+            return True
+        return bool(self.coord.pending_change()) and bool(leaving or dead)
 
     def _world_view(self) -> tuple[list[str], list[str], list[str], dict[str, str]]:
         """(leaving, dead, ready, nodes) as the coordinator sees them now."""
@@ -362,7 +364,7 @@ class ElasticSession:
 
     # ------------------------------------------------------------------ generations
     def _start_first_generation(self) -> None:
-        """Initial workers: the first registered waits for the rest, then publishes gen 1."""
+        """Initial workers: the first registered waits for the rest, then publishes gen 0."""
         assert self.coord is not None
         cfg = self.cfg
         deadline = time.monotonic() + cfg.join_timeout
@@ -376,8 +378,8 @@ class ElasticSession:
                 nodes = {w: str(i.get("node") or "?") for w, i in live.items()}
                 record = first_generation(self.settings, workers, nodes)
                 record["resume"] = self._checkpoint_to_resume()
-                self.coord.publish_generation(record)
-                continue
+                if self.coord.publish_generation(record):
+                    continue
             if time.monotonic() > deadline:
                 raise WaitTimeout(
                     f"run {cfg.run_id}: only {len(live)} of {cfg.initial_workers} initial "

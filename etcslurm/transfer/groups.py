@@ -96,6 +96,12 @@ def configure(
     _CURRENT.update(generation=generation, rank=rank, world_size=world_size, backend=backend)
 
 
+def configure_local(timeout: float = 60.0) -> None:
+    """A world of one (this process alone, gloo, in-memory store): for libraries that ask
+    for a rank after the real world is gone (e.g. closing megatron's checkpoint writer)."""
+    configure(dist.HashStore(), 0, 0, 1, "gloo", timeout)
+
+
 def current() -> dict[str, int | str]:
     """The generation this process is in (empty after teardown)."""
     return dict(_CURRENT)

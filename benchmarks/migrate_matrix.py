@@ -1,0 +1,103 @@
+"""P2P migration vs the dist_checkpointing baseline on ~100M-parameter GPT, 4 processes.
+
+Prints one table: per transition the P2P time (plan + exchange + restore), the checkpoint
+time (warm save + resharded load; the writer's one-off start-up reported apart), the
+speedup, bytes moved, and the exchange time against its bound: max bytes received by any
+rank ÷ measured pairwise bandwidth (rank 0 → 1, one 128 MiB message, best of 3, measured
+in the same world right before the exchange).
+
+    python benchmarks/migrate_matrix.py [--model gpt-125m] [--seq 64] [--repeat 2]
+                                        [--json out.json] [--only N]
+
+Every transition also checks bit-exactness (P2P result == checkpoint result) and loss
+continuity (one step after either path: bit-identical losses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from etcslurm.bench.driver import MigrateRequest, run
+
+#: (from, to, leave, join, optimizer): every run uses 4 processes
+TRANSITIONS = [
+    ("tp2pp2dp1", "tp1pp2dp2", [], 0, "adam"),         # TP -> DP
+    ("tp2pp2dp1", "tp4pp1dp1", [], 0, "adam"),         # PP -> TP
+    ("tp1pp4dp1", "tp2pp2dp1", [], 0, "adam"),         # PP -> TP
+    ("tp1pp2dp2", "tp2pp1dp2", [], 0, "adam"),         # PP <-> TP, DP kept
+    ("tp2pp1dp2", "tp2pp1dp1", [2, 3], 0, "adam"),     # DP shrink: 2 ranks leave
+    ("tp2pp1dp1", "tp2pp1dp2", [], 2, "adam"),         # DP grow: 2 ranks join
+    ("tp2pp2dp1", "tp1pp2dp2", [], 0, "distributed"),  # TP -> DP, ZeRO-1 optimizer
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gpt-125m")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--staging-mb", type=int, default=512)
+    ap.add_argument("--only", type=int, nargs="*", help="indices of TRANSITIONS to run")
+    ap.add_argument("--json", default=None, help="also write all reports to this file")
+    args = ap.parse_args(argv)
+    console = Console()
+    reports = []
+    chosen = args.only if args.only else range(len(TRANSITIONS))
+    for i in chosen:
+        src, dst, leave, join, opt = TRANSITIONS[i]
+        t0 = time.perf_counter()
+        console.print(f"[{i}] {src} → {dst} leave={leave} join={join} {opt} ...")
+        req = MigrateRequest(model=args.model, source=src, target=dst, leave=leave, join=join,
+                             optimizer=opt, repeat=args.repeat, seq=args.seq, steps_before=1,
+                             steps_after=1, staging_mb=args.staging_mb, verify_global=False,
+                             timeout=900)
+        try:
+            report = run(req)
+        except Exception as exc:  # keep the other transitions
+            console.print(f"[red]  failed: {exc}"[:400])
+            continue
+        report["wall_seconds"] = time.perf_counter() - t0
+        reports.append(report)
+        console.print(f"  p2p {report['p2p_seconds']:.2f} s, checkpoint "
+                      f"{report['checkpoint_seconds']:.2f} s, {report['speedup']:.1f}×, "
+                      f"wall {report['wall_seconds']:.0f} s")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(reports, fh, indent=1)
+    table = Table(title=f"{args.model} (seq {args.seq}), 4 processes, gloo on CPU, "
+                        f"median of {args.repeat}")
+    for col in ("transition", "opt", "state GiB", "moved GiB", "P2P s", "(exch+restore)",
+                "ckpt s", "(save+load)", "ckpt start-up s", "speedup", "exch/bound",
+                "pair GB/s", "exact", "loss="):
+        table.add_column(col, justify="right" if col not in ("transition", "opt") else "left")
+    for r in reports:
+        extra = (f" -{','.join(map(str, r['leave']))}" if r["leave"] else "") + (
+            f" +{r['join']}" if r["join"] else "")
+        table.add_row(
+            f"{r['from']}→{r['to']}{extra}", r["optimizer"][:4],
+            f"{r['state_bytes'] / 2**30:.2f}", f"{r['moved_bytes'] / 2**30:.2f}",
+            f"{r['p2p_seconds']:.2f}",
+            f"{r['p2p_exchange_seconds']:.2f}+{r['p2p_restore_seconds']:.2f}",
+            f"{r['checkpoint_seconds']:.2f}",
+            f"{r['checkpoint_save_seconds']:.2f}+{r['checkpoint_load_seconds']:.2f}",
+            f"{r['checkpoint_startup_seconds']:.2f}", f"{r['speedup']:.1f}×",
+            f"{r.get('exchange_vs_bound') or 0:.2f}", f"{r.get('pair_gbps') or 0:.2f}",
+            "yes" if r["bit_exact"] else "NO", "yes" if r["loss_match"] else "NO",
+        )
+    console.print(table)
+    if reports:
+        speedups = [r["speedup"] for r in reports]
+        console.print(f"speedup min {min(speedups):.1f}×, median {statistics.median(speedups):.1f}×")
+    ok = all(r["bit_exact"] and r["loss_match"] for r in reports) and len(reports) == len(chosen)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
