@@ -175,3 +175,16 @@ def test_locate_gives_relative_box():
     s = p.local[d][0]
     piece, rel = locate(s, inputs.old_pieces(inputs.old_device_class[d]))
     assert rel == box_relative(piece.box, s.box)
+
+
+def test_state_whose_holders_are_all_gone_is_missing():
+    old, new = ParallelConfig(1, 2, 2), ParallelConfig(1, 2, 1)
+    untied = GPTSpec(layers=4, hidden=32, heads=4, ffn=64, vocab=200, seq=16,
+                     tied_embeddings=False)  # tied: stage 0 would still hold the copy
+    inputs = gpt_inputs(untied, old, new, [], 0, 8, "distributed", 10**6)
+    for dead in ("2", "3"):  # the whole second stage vanished (no heartbeat)
+        del inputs.old_device_class[dead]
+    p = plan(inputs)
+    check_plan(inputs, p)
+    stage1 = sum(q.nbytes for q in inputs.new_pieces(inputs.new_rank_class[1]))
+    assert p.stats["missing_bytes"] == stage1 and p.missing

@@ -165,3 +165,28 @@ def test_monitor_in_tmux_through_a_resize(redis_url: str, run_id: str, tmp_path:
             g.set()
         term.close()
         player.join(30)
+
+
+@pytest.mark.slow
+def test_monitor_in_tmux_during_a_real_demo_resize(redis_url: str, run_id: str,
+                                                   tmp_path: Path) -> None:
+    """`etcslurm demo` (which shows the monitor) in tmux: real workers, a real leave."""
+    term = Tmux(tmp_path)
+    env = f"-u COLUMNS -u LINES PYTHONPATH={shlex.quote(str(ROOT))} TERM=xterm-256color"
+    command = (f"env {env} PYTHONWARNINGS=ignore {shlex.quote(sys.executable)} -m etcslurm demo "
+               f"--redis {shlex.quote(redis_url)} --run {run_id} --run-dir {tmp_path / 'run'} "
+               f"--workers 3 --steps 14 --schedule '5:leave=1' --no-reference; sleep 60")
+    try:
+        term.start(command)
+        s = term.wait_for(lambda s: "tp1pp1dp3 (world 3)" in s and "r2(0,0,2)" in s,
+                          "the first layout", timeout=300)
+        save("demo-1-before", s)
+        s = term.wait_for(lambda s: "tp1pp1dp2 (world 2)" in s and "preempted: USR2" in s,
+                          "the layout after the leave", timeout=300)
+        save("demo-2-after", s)
+        expect(s, "gen 1", "tp1pp1dp3 → tp1pp1dp2")
+        s = term.wait_for(lambda s: "loss curve" in s or "steps in" in s, "the demo summary",
+                          timeout=300)
+        save("demo-3-summary", s)
+    finally:
+        term.close()

@@ -152,7 +152,7 @@ def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, An
     stats = first["plan_stats"]
     exchange = _med(first["exchange_seconds"])
     restore = max(r["restore_seconds"] for r in new)
-    plan_s = float(stats.get("plan_seconds", 0.0))
+    plan_s = float(first.get("plan_seconds", stats.get("plan_seconds", 0.0)))
     p2p = plan_s + exchange + restore
     save = _med(first["checkpoint_save_seconds"])
     load = _med(new[0]["checkpoint_load_seconds"])

@@ -177,6 +177,12 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
     groups.configure(ctx.store, 1, index, n_union, timeout=timeout)
     if c.get("measure_bandwidth", False) and n_union >= 2:
         out["pair_bandwidth"] = _pair_bandwidth(index, int(c.get("bandwidth_mbytes", 128)))
+    # the runtime plans at migration time: time it here (every rank plans, max over ranks)
+    plan_seconds, plan = _timed_barrier_max(
+        lambda: plan_for_gpt(spec, old, new, leaving=[str(r) for r in leave], joiners=n_join,
+                             optimizer=optimizer, staging_bytes=int(c["plan_staging_bytes"]))
+    )
+    out["plan_seconds"] = plan_seconds
     new_rank = plan.assignment.index(device) if device in plan.assignment else None
     needed: list[tuple[Piece, torch.Tensor]] = []
     if new_rank is not None:

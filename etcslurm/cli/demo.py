@@ -40,6 +40,7 @@ def register(sub: Any) -> None:
                    help="workers per simulated node (default 2)")
     p.add_argument("--redis", metavar="URL", help="use this coordinator instead of the bundled one")
     p.add_argument("--password-file", help="password for --redis")
+    p.add_argument("--run", dest="run_id", help="run id (default demo-<time>-<pid>)")
     p.add_argument("--run-dir", help="logs, data positions, summary (default ./runs/<run id>)")
     p.add_argument("--no-reference", action="store_true",
                    help="skip the reference run without resizes")
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     opts = DemoOptions(
         workers=args.workers, model=args.model, steps=args.steps, schedule=args.schedule,
         redis=args.redis, password_file=args.password_file, run_dir=args.run_dir,
+        run_id=args.run_id,
         optimizer=args.optimizer, global_batch=args.global_batch,
         gpus_per_node=args.gpus_per_node, reference=not args.no_reference,
         timeout=args.timeout,
@@ -79,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt  # run the cleanup below (workers, Redis, monitor)
 
     signal.signal(signal.SIGTERM, _terminate)
-    say = (lambda msg: None) if args.json else (lambda msg: console.print(f"[dim]{msg}[/]"))
+    quiet = args.json or show_monitor  # the monitor owns the terminal while it runs
+    say = (lambda msg: None) if quiet else (lambda msg: console.print(f"[dim]{msg}[/]"))
     try:
         result = run_demo(opts, progress=say, on_tick=on_tick)
     finally:
@@ -104,24 +107,31 @@ def run(args: argparse.Namespace) -> int:
 
 def print_summary(result: Any, console: Any) -> None:
     """A rich table per generation plus the loss comparison."""
+    from rich import box
     from rich.table import Table
 
     table = Table(title=f"etcslurm demo {result.run_id}: {len(result.losses)} steps "
-                        f"in {result.seconds:.1f} s")
-    for col in ("gen", "step", "layout", "world", "leaving", "joining", "moved",
-                "migration", "pause"):
-        table.add_column(col, justify="right" if col not in ("layout",) else "left")
+                        f"in {result.seconds:.1f} s", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("gen", justify="right")
+    table.add_column("step", justify="right")
+    table.add_column("layout", no_wrap=True, min_width=22)
+    table.add_column("ranks", justify="right")
+    table.add_column("-/+", justify="right")
+    table.add_column("moved", justify="right")
+    table.add_column("migr.", justify="right")
+    table.add_column("pause", justify="right")
     migrations = {m.get("gen"): m for m in result.migrations}
     for g in result.generations:
         m = migrations.get(g.get("generation"), {})
-        layout = g.get("to") if not g.get("from") else f"{g['from']} → {g['to']}"
+        layout = g.get("to") if not g.get("from") else f"{g['from']}→{g['to']}"
         pause = m.get("pause_seconds")
         table.add_row(
-            str(g.get("generation")), str(g.get("step")), layout, str(g.get("world")),
-            str(len(g.get("leaving") or [])), str(len(g.get("joining") or [])),
+            str(g.get("generation")), str(g.get("step")), str(layout), str(g.get("world")),
+            f"-{len(g.get('leaving') or [])}/+{len(g.get('joining') or [])}"
+            if g.get("from") else "",
             _bytes(m.get("moved_bytes")) if m else "-",
-            f"{m['seconds']:.2f} s" if m.get("seconds") is not None else "-",
-            f"{pause:.2f} s" if pause is not None else "-",
+            f"{m['seconds']:.2f}s" if m.get("seconds") is not None else "-",
+            f"{pause:.2f}s" if pause is not None else "-",
         )
     console.print(table)
     if result.losses:

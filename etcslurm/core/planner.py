@@ -226,16 +226,18 @@ def _dev_key(d: str) -> tuple[int, int]:
 class _Index:
     """Distinct pieces of one layout, the set of blocks holding each, a per-key index."""
 
-    def __init__(self, blocks: list[list[Piece]], class_blocks: list[list[int]]):
+    def __init__(self, blocks: list[list[Piece]], class_blocks: list[list[int]],
+                 holders_side: bool = True):
         self.pieces: list[Piece] = []
         self.id: dict[Piece, int] = {}
         holders: list[list[int]] = []
         self.block_sets: list[frozenset[Piece]] = []
-        self.block_keys: list[dict[str, list[Piece]]] = []
+        self.block_keys: list[dict] = []  # key → pieces (holders) or key → None
         for b, pieces in enumerate(blocks):
             by_key: dict[str, list[Piece]] = defaultdict(list)
             for p in pieces:
-                by_key[p.key].append(p)
+                if holders_side:
+                    by_key[p.key].append(p)
                 i = self.id.get(p)
                 if i is None:
                     i = self.id[p] = len(self.pieces)
@@ -243,8 +245,11 @@ class _Index:
                     holders.append([])
                 if not holders[i] or holders[i][-1] != b:
                     holders[i].append(b)
-            self.block_sets.append(frozenset(pieces))
-            self.block_keys.append(by_key)
+            if holders_side:
+                self.block_sets.append(frozenset(pieces))
+                self.block_keys.append(by_key)
+            else:
+                self.block_keys.append(dict.fromkeys(p.key for p in pieces))
         self.block_bytes = [sum(p.nbytes for p in pieces) for pieces in blocks]
         # holder block sets, interned
         self.set_id: dict[tuple[int, ...], int] = {}
@@ -271,12 +276,15 @@ class _Index:
         ]
         self.class_bytes = [sum(self.block_bytes[blk] for blk in bl) for bl in class_blocks]
         self._cos: dict[int, list[int]] = {}
+        self.by_key: dict[str, tuple[list[int], list[tuple], int]] = {}
+        self._overlap_cache: dict[Piece, list[int]] = {}
+        if not holders_side:  # the needing side is never searched by box
+            return
         # per key: groups of pieces with the same axis-0 interval, each sorted on axis 1
         by_group: dict[str, dict[tuple[int, int], list[int]]] = defaultdict(
             lambda: defaultdict(list))
         for i, p in enumerate(self.pieces):
             by_group[p.key][p.box[0] if p.box else (0, 1)].append(i)
-        self.by_key: dict[str, tuple[list[int], list[tuple], int]] = {}
         for key, groups in by_group.items():
             entries = []
             for (lo0, hi0), ids in sorted(groups.items()):
@@ -296,7 +304,6 @@ class _Index:
                 entries.append((lo0, hi0, parts))
             max0 = max(e[1] - e[0] for e in entries)
             self.by_key[key] = ([e[0] for e in entries], entries, max0)
-        self._overlap_cache: dict[Piece, list[int]] = {}
 
     def classes_of_set(self, s: int) -> list[int]:
         hit = self._cos.get(s)
@@ -340,7 +347,7 @@ def plan(inputs: PlanInputs) -> MigrationPlan:
     t0 = time.perf_counter()
     inputs.validate()
     old = _Index(inputs.old_blocks, inputs.old_class_blocks)
-    new = _Index(inputs.new_blocks, inputs.new_class_blocks)
+    new = _Index(inputs.new_blocks, inputs.new_class_blocks, holders_side=False)
     leaving = set(inputs.leaving)
     old_devices = sorted(inputs.old_device_class, key=_dev_key)
     available = [d for d in old_devices if d not in leaving] + sorted(inputs.joiners, key=_dev_key)
@@ -550,6 +557,10 @@ def plan(inputs: PlanInputs) -> MigrationPlan:
                 missing_bytes += mb
             for frag, i in rem:
                 cands = candidates(old.piece_set[i])
+                if not cands:  # its holders are gone (dead): a checkpoint must supply it
+                    missing_out.setdefault(d, []).append(frag)
+                    missing_bytes += frag.nbytes
+                    continue
                 if len(cands) == 1:
                     src = cands[0]
                 else:

@@ -20,9 +20,15 @@ from etcslurm.megatron.model import Trainee
 
 
 def sample(seed: int, index: int, seq: int, vocab: int) -> torch.Tensor:
-    """Tokens of sample ``index``: ``seq + 1`` ids below ``vocab`` (pure in seed, index)."""
+    """Tokens of sample ``index``: ``seq + 1`` ids below ``vocab`` (pure in seed, index).
+
+    An arithmetic progression modulo ``vocab`` with a random start and a small random
+    stride: learnable (the next token follows from the last two), so the loss visibly
+    falls within a few dozen steps, as a demo should show.
+    """
     gen = torch.Generator().manual_seed((seed * 1_000_003 + index) % (2**63 - 1))
-    return torch.randint(0, vocab, (seq + 1,), generator=gen, dtype=torch.int64)
+    start, stride = torch.randint(0, vocab, (2,), generator=gen, dtype=torch.int64).tolist()
+    return (start + (stride % 7 + 1) * torch.arange(seq + 1, dtype=torch.int64)) % vocab
 
 
 def micro_batches(trainee: Trainee, step: int, data_seed: int | None = None) -> Iterator[dict]:

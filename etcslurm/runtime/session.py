@@ -188,7 +188,6 @@ class ElasticSession:
     def start(self) -> None:
         """Register, wait for a generation that takes this worker, enter it."""
         from etcslurm.megatron.cpu_shim import install_if_needed
-        from etcslurm.slurm.signals import SignalTrap
 
         install_if_needed()
         import etcslurm.megatron.adapter  # noqa: F401  (import before registering: a joiner
@@ -201,7 +200,7 @@ class ElasticSession:
             heartbeat_interval=cfg.heartbeat_interval, dead_after=cfg.dead_after,
         )
         self._store = RedisStore(client, cfg.run_id, "pg")
-        self._trap = SignalTrap(cfg.signals, lead_time=cfg.leave_budget, callback=self._on_signal)
+        self._trap = self._make_trap()
         self._trap.install()
         self.worker_id = self.coord.register({"node": cfg.node, "device": "cpu"})
         log.info("registered as %s on %s", self.worker_id, cfg.node)
@@ -210,8 +209,10 @@ class ElasticSession:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._data_log = path.open("a", buffering=1)
         current = self.coord.current_generation()
-        if current is None:
-            self._start_first_generation()
+        if current is None or current.get("kind") == "checkpoint":
+            # a new run, or the restart of one whose every worker left with a checkpoint
+            # (requeued by Slurm): start afresh from the checkpoint
+            self._start_first_generation(after=current)
         else:
             self._wait_to_join(after=int(current["generation"]) - 1)
 
@@ -232,6 +233,21 @@ class ElasticSession:
             self._data_log = None
 
     # ------------------------------------------------------------------ signals
+    def _make_trap(self) -> Any:
+        """The leave-signal trap.  Under Slurm (or with ``ETCSLURM_SIGNALS`` exported by a
+        template / Submitit task) the signals and the time budget come from the job:
+        min(signal lead, partition GraceTime, ``SLURM_JOB_END_TIME`` − now), so a preempted
+        worker announces the budget it really has.  Elsewhere (``etcslurm demo``) the
+        configured signals with ``leave_budget`` as the assumed lead."""
+        from etcslurm.slurm.environment import SlurmEnvironment
+        from etcslurm.slurm.signals import SignalTrap
+
+        env = SlurmEnvironment.from_env()
+        if env.is_slurm or env.signals:
+            return SignalTrap.from_env(env, callback=self._on_signal)
+        return SignalTrap(self.cfg.signals, lead_time=self.cfg.leave_budget,
+                          callback=self._on_signal)
+
     def _on_signal(self, event: Any) -> None:
         # watcher thread: only record; the step boundary acts on it
         if self._signal_at is None:
@@ -288,7 +304,7 @@ class ElasticSession:
             ev = self._signal_event
             budget = ev.budget if ev.budget is not None else self.cfg.leave_budget
             self.coord.emit("worker.signal", worker=self.worker_id, node=self.cfg.node,
-                            signal=ev.signal, budget_s=budget)
+                            signal=ev.signal, budget_s=budget, received_at=ev.received_at)
             self.coord.leave(within=budget, reason=f"SIG{ev.signal}")
             self._leaving_announced = True
         flag = 1 if self.signalled else 0
@@ -363,21 +379,32 @@ class ElasticSession:
             log.info("published generation %s: %s", record["generation"], record["reason"])
 
     # ------------------------------------------------------------------ generations
-    def _start_first_generation(self) -> None:
-        """Initial workers: the first registered waits for the rest, then publishes gen 0."""
+    def _start_first_generation(self, after: dict[str, Any] | None = None) -> None:
+        """Initial workers: the first registered waits for the rest, then publishes gen 0.
+
+        ``after``: the ``checkpoint`` record the previous job of this run ended with (a
+        requeued restart); the start record then follows it in number and resumes from
+        ``checkpoint/latest.json``.
+        """
         assert self.coord is not None
         cfg = self.cfg
+        base = -1 if after is None else int(after["generation"])
         deadline = time.monotonic() + cfg.join_timeout
         while True:
             current = self.coord.current_generation()
-            if current is not None:
+            if current is not None and int(current["generation"]) > base:
                 break
             live = self.coord.live_members()
             if self.coord.is_leader() and len(live) >= cfg.initial_workers:
                 workers = list(live)[: cfg.initial_workers]
                 nodes = {w: str(i.get("node") or "?") for w, i in live.items()}
                 record = first_generation(self.settings, workers, nodes)
-                record["resume"] = self._checkpoint_to_resume()
+                record["generation"] = base + 1
+                resume = self._checkpoint_to_resume()
+                record["resume"] = resume["path"] if resume else None
+                if resume:
+                    record["step"] = int(resume.get("step", 0))
+                    record["reason"] = f"resume from {resume['path']}; {record['reason']}"
                 if self.coord.publish_generation(record):
                     continue
             if time.monotonic() > deadline:
@@ -568,33 +595,61 @@ class ElasticSession:
 
     def _checkpoint_and_leave(self, record: dict[str, Any]) -> None:
         """Nobody survives: save a checkpoint (all ranks of the old world) and leave."""
-        from etcslurm.baseline.checkpoint import close_default, save_checkpoint
+        from etcslurm.baseline.checkpoint import CheckpointMigrator
 
         assert self.coord is not None
         directory = self._checkpoint_dir()
         target = directory / f"step{record['step']:08d}"
-        save_checkpoint(self.trainee, target)
-        close_default()
+        # one save under the preemption deadline: write synchronously in this process
+        # (the async writer would first start a writer process, seconds on a busy node)
+        CheckpointMigrator(async_writer=False).save(self.trainee, target)
         dist.barrier()
         if self.rank == 0:
             (directory / "latest.json").write_text(json.dumps(
                 {"path": str(target), "step": record["step"], "layout": record["from"]}))
             self.coord.emit("run.end", reason="preempted: checkpoint written", step=record["step"],
                             checkpoint=str(target))
+        dist.barrier()  # latest.json exists before any job is requeued (which ends it)
+        self._requeue_own_job()
         self.exit_reason = "checkpointed"
         raise LeftRun("whole run preempted: checkpoint written")
+
+    def _requeue_own_job(self) -> None:
+        """Under Slurm, the first task of each job requeues its job.
+
+        A job whose processes exit by themselves inside the preemption grace time ends
+        COMPLETED and Slurm does not requeue it; so after the whole-run checkpoint each job
+        of the run (one per array task / growth job) asks for its own requeue.  The
+        restarted job's workers find the ``checkpoint`` generation and resume.
+        """
+        from etcslurm.slurm.environment import SlurmEnvironment
+        from etcslurm.slurm.submission import requeue
+
+        env = SlurmEnvironment.from_env()
+        if not env.is_slurm or env.proc_id != 0:
+            return
+        assert self.coord is not None
+        try:
+            requeue(env.job_id)
+        except EtcslurmError as exc:
+            self.coord.emit("error", worker=self.worker_id, message=f"requeue failed: {exc}")
+            log.error("requeue of job %s failed: %s", env.job_id, exc)
+            return
+        self.coord.emit("job.requeued", worker=self.worker_id, job=env.job_id)
 
     def _checkpoint_dir(self) -> Path:
         path = Path(self.cfg.checkpoint_dir or Path(self.cfg.run_dir) / "checkpoint")
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def _checkpoint_to_resume(self) -> str | None:
+    def _checkpoint_to_resume(self) -> dict[str, Any] | None:
+        """The pointer written by :meth:`_checkpoint_and_leave` (path, step, layout)."""
         latest = self._checkpoint_dir() / "latest.json"
         if not latest.exists():
             return None
         try:
-            return str(json.loads(latest.read_text())["path"])
+            pointer = json.loads(latest.read_text())
+            return {**pointer, "path": str(pointer["path"])}
         except (OSError, ValueError, KeyError) as exc:
             raise StateLostError(f"cannot read checkpoint pointer {latest}: {exc}") from None
 

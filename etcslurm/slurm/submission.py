@@ -96,6 +96,7 @@ def submit(
     fields: Mapping[str, object] | None = None,
     dry_run: bool = False,
     split: bool = False,
+    slurm_params: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> Submitted:
     """Start an elastic run.
@@ -109,6 +110,9 @@ def submit(
     ``split`` (sbatch only): an array of ``nodes`` single-node jobs instead of one job, so
     Slurm can preempt one node's workers alone (it always preempts whole jobs); array task
     0 hosts the coordinator unless ``redis_url`` is given.
+    ``slurm_params`` (submitit only): further Submitit Slurm parameters without the
+    ``slurm_`` prefix, e.g. ``{"exclusive": True}`` so each job owns its nodes and a
+    preemption takes exactly one job.
     """
     run_id = run_id or new_run_id()
     parse_signal(signal)
@@ -133,7 +137,8 @@ def submit(
             raise UsageError("template fields and split apply to via='sbatch' only")
         task = ElasticTask(worker, *args, run_id=run_id, redis_url=redis_url, role="start",
                            signals=(signal, "TERM"), signal_lead=signal_lead, **kwargs)
-        ex = _executor(folder, cluster, nodes, tasks_per_node, partition, time_limit, signal_lead)
+        ex = _executor(folder, cluster, nodes, tasks_per_node, partition, time_limit, signal_lead,
+                       slurm_params)
         job = ex.submit(task)
         return Submitted(run_id, str(job.job_id), via, job=job)
     raise UsageError(f"unknown via {via!r}; valid: sbatch, submitit")
@@ -157,6 +162,7 @@ def grow(
     cluster: str | None = None,
     fields: Mapping[str, object] | None = None,
     dry_run: bool = False,
+    slurm_params: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> Submitted:
     """Submit a further job whose workers join run ``run`` at its next step boundary.
@@ -165,6 +171,7 @@ def grow(
     ``components``: a heterogeneous job, one dict of fields per node shape (e.g.
     ``[{"nodes": 1, "tasks_per_node": 4}, {"nodes": 2, "tasks_per_node": 2}]``).
     ``redis_url`` defaults to ``$ETCSLURM_REDIS_URL`` (set inside a run's jobs).
+    ``slurm_params``: as for :func:`submit` (submitit only).
     """
     if not run or not re.fullmatch(r"[A-Za-z0-9._:+-]+", run):
         raise UsageError(f"bad run id {run!r}")
@@ -196,7 +203,7 @@ def grow(
         task = ElasticTask(worker, *args, run_id=run, redis_url=redis_url, role="join",
                            signals=(signal, "TERM"), signal_lead=signal_lead, **kwargs)
         ex = _executor(folder, cluster, 1 if split else nodes, tasks_per_node, partition,
-                       time_limit, signal_lead)
+                       time_limit, signal_lead, slurm_params)
         if split:
             with ex.batch():
                 jobs = [ex.submit(task) for _ in range(nodes)]
@@ -221,7 +228,8 @@ def _minutes(time_limit: str | int) -> int:
 
 
 def _executor(folder: Any, cluster: str | None, nodes: int, tasks_per_node: int,
-              partition: str | None, time_limit: str | int, signal_lead: int) -> Any:
+              partition: str | None, time_limit: str | int, signal_lead: int,
+              slurm_params: Mapping[str, Any] | None = None) -> Any:
     import submitit
 
     ex = submitit.AutoExecutor(folder=str(folder or "submitit-logs"), cluster=cluster)
@@ -233,6 +241,7 @@ def _executor(folder: Any, cluster: str | None, nodes: int, tasks_per_node: int,
         params["slurm_additional_parameters"] = {"requeue": True}
         if partition:
             params["slurm_partition"] = partition
+        params.update({f"slurm_{k}": v for k, v in (slurm_params or {}).items()})
     ex.update_parameters(**params)
     return ex
 

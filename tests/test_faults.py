@@ -1,0 +1,181 @@
+"""Fault injection on real elastic runs: SIGKILL of a worker and of the leader, a
+preemption signal during a migration (two resizes back to back), the coordinator's Redis
+restarted and unreachable, state with no surviving holder, a corrupted message.
+
+The scenarios live in ``benchmarks/fault_matrix.py`` (which prints the measured table);
+these tests run them small (gpt-tiny, 8 steps, 2–4 workers, lowered ``dead_after`` /
+``collective_timeout``) and assert: the fault is detected within its bound, an event says
+what happened, the next generation is rebuilt from replicas (nothing missing), the run
+completes with the same losses as a run that never resized, and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from etcslurm.core.models import GPTSpec
+from etcslurm.runtime.generation import RunSettings, first_generation, next_generation
+from etcslurm.runtime.launcher import LOSS_TOLERANCE
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 8
+
+
+def _load_matrix() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fault_matrix", ROOT / "benchmarks" / "fault_matrix.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fault_matrix"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+fm = _load_matrix()
+
+
+@pytest.fixture(scope="module")
+def reference(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """Losses of a one-worker run that never resizes (shared by every scenario)."""
+    losses = fm.reference_losses(redis_url, None, tmp_path_factory.mktemp("ref"), STEPS)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+def _pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def _types(row) -> list[str]:
+    return [e["type"] for e in row.events]
+
+
+def _assert_recovered_from_replicas(row, reference: dict[int, float]) -> None:
+    res = row.result
+    assert row.error is None, row.error
+    assert res is not None and sorted(res.losses) == list(range(1, STEPS + 1))
+    assert row.max_loss_diff is not None and row.max_loss_diff <= LOSS_TOLERANCE, row.max_loss_diff
+    assert row.bytes_lost == 0
+    gens = [row.records[g] for g in sorted(row.records)]
+    assert [g["kind"] for g in gens][:2] == ["start", "resize"]
+    recovery = gens[1]
+    assert len(recovery["dead"]) == 1 and recovery["world"] == 2, recovery
+    killed = recovery["dead"][0]
+    assert res.exit_codes[killed] == -9
+    assert all(code == 0 for w, code in res.exit_codes.items() if w != killed), res.exit_codes
+    # the events say what happened: a failed collective, the dead worker marked gone
+    gone = [e for e in row.events if e["type"] == "worker.gone"]
+    assert gone and gone[0]["data"]["worker"] == killed
+    assert "error" in _types(row)
+    # detected and rebuilt within the bounds (dead_after / collective_timeout + rebuild)
+    bound = fm.DEAD_AFTER * 2 + fm.COLLECTIVE_TIMEOUT + 60
+    assert row.recover_s is not None and 0 < row.recover_s < bound, row.recover_s
+    assert _pids_alive(res.pids) == []
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_sigkill_of_a_worker_rebuilds_from_replicas(redis_url: str, reference: dict[int, float],
+                                                    tmp_path: Path) -> None:
+    row = fm.kill_worker(redis_url, None, tmp_path, STEPS, reference)
+    _assert_recovered_from_replicas(row, reference)
+    # the killed rank was the highest one, not the leader
+    gens = [row.records[g] for g in sorted(row.records)]
+    assert gens[1]["dead"] == [gens[0]["assignment"][-1]["worker"]]
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_sigkill_of_the_leader_rebuilds_from_replicas(redis_url: str, reference: dict[int, float],
+                                                      tmp_path: Path) -> None:
+    row = fm.kill_leader(redis_url, None, tmp_path, STEPS, reference)
+    _assert_recovered_from_replicas(row, reference)
+    gens = [row.records[g] for g in sorted(row.records)]
+    assert gens[1]["dead"] == [gens[0]["assignment"][0]["worker"]]
+    # a survivor took over: the new rank 0 is another worker and steps go on
+    assert gens[1]["assignment"][0]["worker"] != gens[0]["assignment"][0]["worker"]
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_preemption_during_a_migration_gives_two_resizes_back_to_back(
+        redis_url: str, reference: dict[int, float], tmp_path: Path) -> None:
+    row = fm.preempt_during_migration(redis_url, None, tmp_path, STEPS, reference)
+    res = row.result
+    assert row.error is None, row.error
+    assert res is not None and sorted(res.losses) == list(range(1, STEPS + 1))
+    assert row.max_loss_diff is not None and row.max_loss_diff <= LOSS_TOLERANCE
+    gens = [row.records[g] for g in sorted(row.records)]
+    assert [(g["kind"], g["to"]) for g in gens] == [
+        ("start", "tp1pp1dp4"), ("resize", "tp1pp1dp3"), ("resize", "tp1pp1dp2")]
+    # the second resize follows the first at the next step boundary
+    assert gens[2]["step"] <= gens[1]["step"] + 2, (gens[1]["step"], gens[2]["step"])
+    assert len(gens[2]["leaving"]) == 1 and gens[2]["dead"] == []
+    assert [e["type"] for e in row.events].count("worker.signal") == 2
+    assert all(code == 0 for code in res.exit_codes.values()), res.exit_codes
+    assert row.bytes_lost == 0
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+@pytest.mark.parametrize("outage", [0.0, 3.0])
+def test_redis_restart_and_outage_mid_run(outage: float, redis_url: str,
+                                          reference: dict[int, float], tmp_path: Path) -> None:
+    row = fm.redis_restart(None, None, tmp_path, STEPS, reference, outage=outage)
+    res = row.result
+    assert row.error is None, row.error
+    assert res is not None and sorted(res.losses) == list(range(1, STEPS + 1))
+    assert row.max_loss_diff is not None and row.max_loss_diff <= LOSS_TOLERANCE
+    assert [g["kind"] for _, g in sorted(row.records.items())] == ["start"]  # no resize needed
+    assert all(code == 0 for code in res.exit_codes.values()), res.exit_codes
+    assert row.recover_s is not None
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_pieces_without_a_surviving_holder_stop_with_exit_5(redis_url: str, tmp_path: Path) -> None:
+    row = fm.lost_pieces(redis_url, None, tmp_path, STEPS, None)
+    assert row.error is not None and "exited with code 5" in row.error, row.error
+    stop = [r for r in row.records.values() if r.get("kind") == "stop"]
+    assert stop and "no replica survives" in stop[0]["reason"]
+    assert row.bytes_lost and row.bytes_lost > 0
+    assert row.recover_s is not None and row.recover_s < fm.DEAD_AFTER * 2 + fm.COLLECTIVE_TIMEOUT + 60
+
+
+def test_stop_decision_names_the_dead_workers() -> None:
+    """The pure decision: a dead rank of dp2 with a sharded optimizer → ``stop``."""
+    spec = GPTSpec.parse("gpt-tiny")
+    settings = RunSettings(spec, "distributed", 12, 1, 2, 2**26)
+    start = first_generation(settings, ["w1", "w2"], {"w1": "n0", "w2": "n0"})
+    assert start["to"] == "tp1pp1dp2"
+    record, migration = next_generation(
+        settings, start, leaving=[], dead=["w2"], ready=[], nodes={}, step=3, scalars={},
+        reason="recover")
+    assert record["kind"] == "stop" and "w2" in record["reason"]
+    assert migration is not None and migration.stats.get("missing_bytes", 0) > 0
+    # with Adam every piece has a replica on w1: a resize, nothing missing
+    adam = RunSettings(spec, "adam", 12, 1, 2, 2**26)
+    record, migration = next_generation(
+        adam, first_generation(adam, ["w1", "w2"], {}), leaving=[], dead=["w2"], ready=[],
+        nodes={}, step=3, scalars={}, reason="recover")
+    assert record["kind"] == "resize" and record["world"] == 1
+    assert not migration.missing
+
+
+@pytest.mark.slow
+def test_corrupted_message_is_caught_and_names_the_piece() -> None:
+    row = fm.corrupt_message()
+    assert row.error.startswith("MigrationError: checksum mismatch"), row.error
+    assert "first piece" in row.error and "0 -> 1" in row.error

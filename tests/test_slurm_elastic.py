@@ -1,0 +1,334 @@
+"""The REAL elastic runtime on the REAL local Slurm cluster (sbin/slurm-cluster).
+
+Workers are ``python -m etcslurm.runtime.worker`` started by ``templates/elastic.sbatch``
+/ ``grow.sbatch`` (or by Submitit); "preemption" is a job in the ``high`` partition
+taking a node, so Slurm itself signals (``preempt_send_user_signal``: USR2) and, after
+the partition's GraceTime, kills.  Each test checks the loss curve against a
+one-worker run that never resized (``etcslurm demo`` machinery, same run spec) and that
+every sample of every step was consumed exactly once (the workers' data-position logs).
+
+The coordinator is the test Redis (``redis_url``: the template's "an existing
+coordinator" path), so the test reads the run's event stream while it runs and after it
+ended.  Timing tolerances follow slurmctld's 30 s timer (design.md).  Kept small for 2
+shared cores: a 2-layer GPT, few steps, global batch 12.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from etcslurm.cli import main as cli_main
+from etcslurm.coord.client import connect
+from etcslurm.coord.coordinator import Coordinator
+from etcslurm.core.models import GPTSpec
+from etcslurm.runtime.launcher import LOSS_TOLERANCE, DemoOptions, run_demo
+from etcslurm.runtime.session import SessionConfig
+from etcslurm.slurm.submission import grow, submit
+
+# the runs train real models on 2 shared cores: allow more than the default 600 s
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+SLURM_TIMER = 30.0  # slurmctld checks signals, time limits and grace times every 30 s
+# The runs use their own preemptable partition with a production-like GraceTime: the lab's
+# debug partition has 10 s, less than one training step takes on 2 heavily shared cores
+# (a signalled worker must first finish its step; measured 10-12 s per step there).
+PARTITION = "elastictest"
+GRACE = 60.0
+MODEL = "layers=2,hidden=64,heads=4,vocab=512,seq=32"  # smaller than gpt-tiny: 2 cores
+STEPS = 12
+GLOBAL_BATCH = 12
+SEED = 4321
+RUN_TIMEOUT = 900.0  # a whole run on 2 heavily shared cores
+# collective timeout: workers of different Slurm jobs start seconds apart on a loaded
+# machine; a leaver never waits on it (it only sends), so it costs nothing here
+WORKER_ARGS = ["--collective-timeout", "60", "--dead-after", "20"]
+WORKER_CMD = f"{sys.executable} -m etcslurm.runtime.worker " + " ".join(WORKER_ARGS)
+
+
+# ---------------------------------------------------------------------------- helpers
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.5) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def sh(*cmd: str) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+
+
+def job_state(job_id: str) -> str:
+    return sh("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T").split("\n")[0]
+
+
+def preempt_node(node: str, out: Path) -> str:
+    """A high-partition job on ``node``: Slurm preempts whatever low-priority job runs there."""
+    return sh("sbatch", "--parsable", "-p", "high", "-N1", "--exclusive", "-w", node,
+              "-o", str(out / "high-%j.out"), "--wrap", "sleep 1")
+
+
+def session_config(run_id: str, redis_url: str, workers: int, run_dir: Path) -> SessionConfig:
+    return SessionConfig(run_id=run_id, redis_url=redis_url, spec=GPTSpec.parse(MODEL),
+                         global_batch=GLOBAL_BATCH, seed=SEED, steps=STEPS,
+                         initial_workers=workers, gpus_per_node=1, run_dir=str(run_dir))
+
+
+class Run:
+    """The run as the coordinator's event stream shows it (read incrementally)."""
+
+    def __init__(self, redis_url: str, run_id: str, initial_workers: int, run_dir: Path) -> None:
+        self.run_id, self.run_dir = run_id, run_dir
+        self.coord = Coordinator(connect(redis_url), run_id)
+        # the run spec every worker reads (what a template's setup_cmd would store)
+        self.coord.ensure_spec(session_config(run_id, redis_url, initial_workers, run_dir).run_spec())
+        self.last = "0"
+        self.events: list[dict[str, Any]] = []
+        self.losses: dict[int, list[float]] = {}
+
+    def poll(self) -> None:
+        for ev in self.coord.read_events(self.last, block_ms=200):
+            self.last = ev["id"]
+            self.events.append(ev)
+            if ev["type"] == "step":
+                self.losses.setdefault(int(ev["data"]["step"]), []).append(float(ev["data"]["loss"]))
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["type"] == kind]
+
+    def generations(self) -> list[dict[str, Any]]:
+        return [e["data"] for e in self.of("generation.start")]
+
+    def step(self) -> int:
+        return max(self.losses, default=0)
+
+    def wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
+        def check() -> Any:
+            self.poll()
+            return pred()
+        return wait_for(check, timeout, f"{what} (run {self.run_id} at step {self.step()})", every=0.1)
+
+    def world(self) -> dict[str, Any]:
+        rec = self.coord.current_generation()
+        assert rec is not None
+        return rec
+
+    def finished(self) -> bool:
+        return self.step() >= STEPS
+
+    def gone_at(self, worker: str) -> float | None:
+        for e in self.of("worker.state"):
+            if e["worker"] == worker and e["data"].get("state") == "gone":
+                return e["ts"]
+        return None
+
+    def close(self) -> None:
+        self.coord.end_run(keep_s=0)
+
+
+def check_losses(run: Run, reference: dict[int, float]) -> float:
+    """Every step once, in order, each loss within LOSS_TOLERANCE of the reference."""
+    assert sorted(run.losses) == list(range(1, STEPS + 1)), f"steps seen: {sorted(run.losses)}"
+    assert all(len(v) == 1 for v in run.losses.values()), "a step was emitted twice"
+    diff = max(abs(run.losses[s][0] - reference[s]) for s in run.losses)
+    assert diff <= LOSS_TOLERANCE, f"loss differs from the no-resize reference by {diff:.3g}"
+    return diff
+
+
+def check_data_once(run_dir: Path) -> dict[int, int]:
+    """Sample ranges per step from all workers: each step covers [s·B, (s+1)·B) exactly
+    once.  Returns the DP degree each step ran with."""
+    per_step: dict[int, list[tuple[int, int]]] = {}
+    dp: dict[int, int] = {}
+    for path in run_dir.glob("data-*.jsonl"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            per_step.setdefault(rec["step"], []).append((rec["start"], rec["stop"]))
+            dp[rec["step"]] = rec["dp"]
+    assert sorted(per_step) == list(range(STEPS)), f"steps logged: {sorted(per_step)}"
+    for step, ranges in per_step.items():
+        covered = sorted(i for a, b in ranges for i in range(a, b))
+        assert covered == list(range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)), (
+            f"step {step}: samples {covered}")
+    return dp
+
+
+# ---------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def partition(slurm_cluster: str) -> Iterator[str]:
+    """A low-priority partition (preempted by ``high`` with REQUEUE after GRACE seconds)
+    on the lab's nodes, created for these tests and deleted afterwards."""
+    nodes = sh("sinfo", "-h", "-p", "debug", "-o", "%N")
+    fields = [f"PartitionName={PARTITION}", f"Nodes={nodes}", "PriorityTier=1",
+              "PreemptMode=REQUEUE", f"GraceTime={GRACE:.0f}", "OverSubscribe=NO", "State=UP"]
+    existed = PARTITION in sh("sinfo", "-h", "-o", "%R").split()
+    sh("scontrol", "update" if existed else "create", *fields)
+    yield PARTITION
+    if not existed:
+        subprocess.run(["scontrol", "delete", f"PartitionName={PARTITION}"], capture_output=True,
+                       timeout=30, check=False)
+
+
+@pytest.fixture
+def jobs(partition: str) -> Iterator[list[str]]:
+    """Job ids a test submitted; cancelled afterwards whatever happened."""
+    ids: list[str] = []
+    yield ids
+    if ids:
+        subprocess.run(["scancel", *ids], capture_output=True, timeout=30, check=False)
+
+
+@pytest.fixture(scope="module")
+def reference(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """Loss per step of one local worker that never resizes (same run spec)."""
+    out = tmp_path_factory.mktemp("reference")
+    res = run_demo(DemoOptions(workers=1, schedule="", model=MODEL, steps=STEPS,
+                               global_batch=GLOBAL_BATCH, seed=SEED, gpus_per_node=1,
+                               redis=redis_url, run_id=f"ref-{out.name}", run_dir=str(out),
+                               reference=False, timeout=RUN_TIMEOUT, keep_keys_s=0))
+    assert sorted(res.losses) == list(range(1, STEPS + 1))
+    return res.losses
+
+
+# ---------------------------------------------------------------------------- tests
+def test_sbatch_run_survives_preemption_of_one_node_and_grows(
+        jobs: list[str], tmp_path: Path, redis_url: str, run_id: str,
+        reference: dict[int, float]) -> None:
+    """elastic.sbatch as 4 one-node jobs → a high job preempts one → its worker hands over
+    and exits inside the grace time → 3 ranks → `etcslurm grow --nodes 1` → 4 ranks."""
+    run_dir = tmp_path / "run"
+    run = Run(redis_url, run_id, 4, run_dir)
+    res = submit(WORKER_CMD, run_id=run_id, nodes=4, split=True, redis_url=redis_url,
+                 partition=PARTITION, time_limit="20", folder=tmp_path,
+                 fields={"exclusive": 1, "run_dir": str(run_dir),
+                         "output": str(tmp_path / "elastic-%A_%a.out")})
+    jobs.append(res.job_id)
+    run.wait(lambda: run.step() >= 2, RUN_TIMEOUT / 2, "4 workers training")
+    gen0 = run.world()
+    assert gen0["kind"] == "start" and gen0["world"] == 4
+    victim = max(gen0["assignment"], key=lambda a: a["rank"])
+    info = run.coord.members()[victim["worker"]]
+    t0 = time.time()
+    jobs.append(preempt_node(info["node"], tmp_path))
+
+    signal = run.wait(lambda: next((e for e in run.of("worker.signal")
+                                    if e["worker"] == victim["worker"]), None),
+                      SLURM_TIMER + 120, "the victim's leave signal")["data"]
+    assert signal["signal"] == "USR2"  # the job's --signal, sent on preemption
+    assert signal["received_at"] - t0 <= SLURM_TIMER + 5
+    assert signal["budget_s"] == pytest.approx(GRACE, abs=0.5)  # min(lead 90, grace, end)
+    shrink = run.wait(lambda: next((g for g in run.generations()
+                                    if victim["worker"] in g.get("leaving", [])), None),
+                      300, "the generation without the victim")
+    assert shrink["kind"] == "resize" and shrink["world"] == 3
+    assert victim["worker"] not in [a["worker"] for a in shrink["assignment"]]
+    gone = run.wait(lambda: run.gone_at(victim["worker"]), 120, "the victim to leave")
+    assert gone - signal["received_at"] <= GRACE, "the victim left after the grace time"
+    # it exited by itself: its job COMPLETED (not killed, not requeued)
+    wait_for(lambda: job_state(info["slurm_job"]) == "COMPLETED", 60, "the victim's job to end")
+
+    # growth: a further job whose worker joins at the next boundary
+    before = run.step()
+    assert cli_main(["grow", "--run", run_id, "--nodes", "1", "--redis", redis_url,
+                     "--worker-cmd", WORKER_CMD, "--time", "20", "--partition", PARTITION,
+                     "--workdir", str(tmp_path), "--set", f"run_dir={run_dir}", "--set", "exclusive=1",
+                     "--set", f"output={tmp_path}/grow-%j.out"]) == 0
+    grown = run.wait(lambda: next((g for g in run.generations() if g.get("joining")), None),
+                     RUN_TIMEOUT / 2, "the joiner to be taken in")
+    assert grown["kind"] == "resize" and grown["world"] == 4 and len(grown["joining"]) == 1
+    run.wait(run.finished, RUN_TIMEOUT, "the run to finish")
+    assert before < grown["step"] < STEPS, "the grown generation trained"
+    diff = check_losses(run, reference)
+    dp = check_data_once(run_dir)
+    assert {dp[s] for s in range(STEPS)} >= {3, 4}, f"DP degrees per step: {dp}"
+    assert len(run.of("migration.done")) == 2
+    print(f"max |loss - reference| = {diff:.3g}; leave took {gone - signal['received_at']:.1f} s")
+    run.close()
+
+
+def test_submitit_run_grows_and_survives_preemption(
+        jobs: list[str], tmp_path: Path, redis_url: str, run_id: str,
+        reference: dict[int, float]) -> None:
+    """The same flows through Submitit from Python: start with one task, grow by two
+    single-node jobs (each preemptable alone), preempt one of them."""
+    run_dir = tmp_path / "run"
+    run = Run(redis_url, run_id, 1, run_dir)
+    argv = ["--run-dir", str(run_dir), *WORKER_ARGS]
+    folder = tmp_path / "submitit"
+    res = submit("etcslurm.runtime.worker:main", argv, via="submitit", cluster="slurm",
+                 run_id=run_id, nodes=1, redis_url=redis_url, partition=PARTITION,
+                 time_limit=20, folder=folder, slurm_params={"exclusive": True})
+    jobs.append(res.job_id)
+    run.wait(lambda: run.step() >= 1, RUN_TIMEOUT / 2, "the first worker training")
+    g = grow(run_id, 2, "etcslurm.runtime.worker:main", argv, redis_url=redis_url,
+             via="submitit", cluster="slurm", split=True, partition=PARTITION, time_limit=20,
+             folder=folder, slurm_params={"exclusive": True})
+    jobs.extend(g.job_id.split(","))
+    grown = run.wait(lambda: next((x for x in run.generations() if x.get("world") == 3), None),
+                     RUN_TIMEOUT / 2, "the two joiners to be taken in")
+    assert grown["kind"] == "resize" and len(grown["joining"]) == 2
+    # preempt one joined node (its own Submitit job: Slurm preempts whole jobs)
+    victim = max(grown["assignment"], key=lambda a: a["rank"])
+    info = run.coord.members()[victim["worker"]]
+    assert info["slurm_job"] in g.job_id.split(",")
+    jobs.append(preempt_node(info["node"], tmp_path))
+    shrink = run.wait(lambda: next((x for x in run.generations()
+                                    if victim["worker"] in x.get("leaving", [])), None),
+                      SLURM_TIMER + 300, "the generation without the victim")
+    assert shrink["world"] == 2
+    signal = next(e["data"] for e in run.of("worker.signal") if e["worker"] == victim["worker"])
+    gone = run.wait(lambda: run.gone_at(victim["worker"]), 120, "the victim to leave")
+    assert gone - signal["received_at"] <= GRACE
+    run.wait(run.finished, RUN_TIMEOUT, "the run to finish")
+    check_losses(run, reference)
+    dp = check_data_once(run_dir)
+    assert {dp[s] for s in range(STEPS)} >= {1, 2, 3}, f"DP degrees per step: {dp}"
+    first = res.job
+    wait_for(first.done, 120, "the first Submitit job to return", every=1)
+    assert first.result() == 0  # main() returned 0: finished normally
+    run.close()
+
+
+def test_whole_run_preempted_checkpoints_requeues_and_resumes(
+        jobs: list[str], tmp_path: Path, redis_url: str, run_id: str,
+        reference: dict[int, float]) -> None:
+    """Nothing survives → checkpoint → the job requeues itself → the restarted job
+    resumes at the checkpoint's step: no step redone, none skipped, losses continue."""
+    run_dir = tmp_path / "run"
+    run = Run(redis_url, run_id, 2, run_dir)
+    res = submit(WORKER_CMD, run_id=run_id, nodes=2, redis_url=redis_url, partition=PARTITION,
+                 time_limit="20", folder=tmp_path,
+                 fields={"exclusive": 1, "run_dir": str(run_dir),
+                         "output": str(tmp_path / "whole-%j.out")})
+    jobs.append(res.job_id)
+    run.wait(lambda: run.step() >= 2, RUN_TIMEOUT / 2, "2 workers training")
+    node = run.coord.members()[run.world()["assignment"][0]["worker"]]["node"]
+    jobs.append(preempt_node(node, tmp_path))
+    ckpt = run.wait(lambda: next((g for g in run.generations() if g["kind"] == "checkpoint"),
+                                 None), SLURM_TIMER + 300, "the checkpoint generation")
+    end = run.wait(lambda: run.of("run.end"), 120, "the checkpoint to be written")[0]["data"]
+    assert end["step"] == ckpt["step"] and Path(end["checkpoint"]).is_dir()
+    latest = json.loads((run_dir / "checkpoint" / "latest.json").read_text())
+    assert latest["step"] == ckpt["step"]
+    run.wait(lambda: run.of("job.requeued"), 60, "the job to requeue itself")
+    restart = run.wait(lambda: next((g for g in run.generations()
+                                     if g["kind"] == "start" and g["generation"] > ckpt["generation"]),
+                                    None), RUN_TIMEOUT / 2, "the requeued job to restart")
+    assert restart["step"] == ckpt["step"]
+    rec = run.world()  # no resize after the restart: still the start record
+    assert rec["generation"] == restart["generation"] and rec["resume"] == latest["path"]
+    run.wait(run.finished, RUN_TIMEOUT, "the resumed run to finish")
+    check_losses(run, reference)  # every step exactly once: none redone, none skipped
+    check_data_once(run_dir)
+    assert sh("scontrol", "show", "job", res.job_id).count("Restarts=1") == 1
+    run.close()
