@@ -6,7 +6,13 @@ import itertools
 
 import pytest
 
-from etcslurm.core.gpt_state import buffer_layout, expand, rank_pieces, stage_params
+from etcslurm.core.gpt_state import (
+    buffer_layout,
+    expand,
+    padded_vocab,
+    rank_pieces,
+    stage_params,
+)
 from etcslurm.core.layout import ParallelConfig, choose_config, parse_ranges, valid_configs
 from etcslurm.core.models import PRESETS, GPTSpec
 from etcslurm.core.state import Piece, box_numel, flat_range_boxes
@@ -87,7 +93,7 @@ def test_gpt_state_tp_shards_tile_the_tensors():
         total = sum(p.numel for p in per_dp0 if "position" not in p.key
                     and "layer_norm" not in p.key and "final" not in p.key
                     and not p.key.endswith("proj.bias") and not p.key.endswith("fc2.bias"))
-        h, f, v = 32, 64, spec.padded_vocab(2)
+        h, f, v = 32, 64, padded_vocab(spec, 2)
         assert total == 4 * (3 * h * h + 3 * h + h * h + 2 * f * h + f) + 2 * v * h
         if opt == "distributed":  # ZeRO-1 shards over dp tile each (tp, pp) buffer once
             for tp, pp in itertools.product(range(2), range(2)):
@@ -105,6 +111,13 @@ def test_buffer_layout_pads_like_megatron():
     assert all((e - s) % 384 == 0 for s, e in buckets)  # lcm(3, 128)
     # shared embedding (tied, PP > 1) sits alone in the last bucket
     assert len(buckets) == 2 and index[0][2] == 1
+
+
+def test_vocab_padding_matches_megatron_and_the_adapter():
+    spec = GPTSpec(layers=2, hidden=32, heads=4, ffn=64, vocab=50257, seq=8)
+    assert padded_vocab(spec, 2, None) == 50432  # megatron: multiple of 128*2
+    assert padded_vocab(spec, 2) == padded_vocab(spec, 8) == 51200  # pre-padded for TP 8
+    assert padded_vocab(spec, 16) == 51200 and padded_vocab(spec, 3, None) == 50304
 
 
 def test_parse_ranges():

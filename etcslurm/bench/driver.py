@@ -50,6 +50,9 @@ class MigrateRequest:
     measure_bandwidth: bool = True
     #: False: P2P only; the comparison model is filled from the pre-migration dump
     checkpoint: bool = True
+    #: False: the baseline writes in the calling process (no persistent writer start-up);
+    #: for small tests only -- benchmarks keep megatron's fastest (asynchronous) path
+    async_checkpoint: bool = True
     timeout: float = 600.0
     seed: int = 1234
 
@@ -116,6 +119,7 @@ class MigrateRequest:
             "verify_global": self.verify_global,
             "measure_bandwidth": self.measure_bandwidth,
             "checkpoint": self.checkpoint,
+            "async_checkpoint": self.async_checkpoint,
             "timeout": self.timeout,
             "work_dir": str(work_dir),
             "ckpt_dir": str(ckpt_dir),

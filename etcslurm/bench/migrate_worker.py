@@ -77,7 +77,7 @@ def migrate(ctx: WorkerContext) -> dict[str, Any]:
     groups.register_teardown_hook(parallel.teardown)
     from etcslurm.baseline.checkpoint import CheckpointMigrator
 
-    baseline = CheckpointMigrator()
+    baseline = CheckpointMigrator(async_writer=bool(ctx.config.get("async_checkpoint", True)))
     try:
         return _migrate(ctx, out, baseline, device)
     finally:

@@ -144,6 +144,8 @@ def executor_selftest(ctx: WorkerContext) -> dict[str, Any]:
     except EtcslurmError as exc:
         out["timeout_error"] = f"{type(exc).__name__}: {exc}"
     out["timeout_seconds"] = time.perf_counter() - t0
+    if me != 1:  # stay connected until the receiver's wait has run out
+        time.sleep(float(ctx.config.get("wait", 3)) + 2)
     groups.abort()
     # the same processes still form a new world and migrate correctly afterwards
     groups.configure(ctx.store, gen, me, n, "gloo", timeout=30)

@@ -148,7 +148,10 @@ class BundledRedis:
         """Start the server and wait until it answers an authenticated PING."""
         if self.proc is not None and self.proc.poll() is None:
             return self
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"run directory {self.run_dir} is not usable: {exc.strerror}") from None
         if not self.password:
             self.password = secrets.token_urlsafe(24)
             _write_private(self.password_file, self.password + "\n")

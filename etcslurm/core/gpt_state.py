@@ -29,11 +29,28 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 from etcslurm.core.layout import ParallelConfig
-from etcslurm.core.models import GPTSpec
+from etcslurm.core.models import MAKE_VOCAB_SIZE_DIVISIBLE_BY, GPTSpec
 from etcslurm.core.state import Piece, flat_range_boxes
 from etcslurm.errors import UsageError
 
 OPTIMIZERS = ("adam", "distributed")
+
+#: etcslurm's megatron adapter builds every layout with the vocabulary pre-padded for TP 8
+#: (a multiple of 1024), so the embedding has one shape in every layout of a run.
+DEFAULT_VOCAB_PAD_TP = 8
+
+
+def padded_vocab(spec: GPTSpec, tp: int, vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP) -> int:
+    """Rows of the word embedding under TP ``tp``.
+
+    megatron pads the vocabulary it is given to a multiple of ``128 * tp``; etcslurm's
+    adapter first pre-pads it for ``vocab_pad_tp`` (``128 * 8``), so across layouts with
+    TP <= 8 the shape never changes.  ``vocab_pad_tp=None``: plain megatron.
+    """
+    vocab = spec.vocab
+    if vocab_pad_tp:
+        vocab = _pad(vocab, MAKE_VOCAB_SIZE_DIVISIBLE_BY * vocab_pad_tp)
+    return _pad(vocab, MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp)
 
 
 @dataclass(frozen=True)
@@ -55,21 +72,20 @@ def _split(extent: int, tp: int, tp_rank: int) -> tuple[int, int]:
 
 
 def stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int,
-                 vocab_pad_tp: int | None = None) -> list[ParamDef]:
+                 vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP) -> list[ParamDef]:
     """Parameters of one (tp, pp) rank in ``model.named_parameters()`` order (cached)."""
     return list(_stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp))
 
 
 @lru_cache(maxsize=1024)
 def _stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int,
-                  vocab_pad_tp: int | None = None) -> tuple[ParamDef, ...]:
+                  vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP) -> tuple[ParamDef, ...]:
     """Parameters of one (tp, pp) rank in ``model.named_parameters()`` order.
 
-    ``vocab_pad_tp``: pad the vocabulary as for this TP size instead of ``cfg.tp`` (a
-    runtime that keeps one embedding shape across layouts pads for the largest TP).
+    ``vocab_pad_tp``: see :func:`padded_vocab`.
     """
     h, f, tp = spec.hidden, spec.ffn, cfg.tp
-    vocab = spec.padded_vocab(vocab_pad_tp or tp)
+    vocab = padded_vocab(spec, tp, vocab_pad_tp)
     first, last = pp_rank == 0, pp_rank == cfg.pp - 1
     def full(n: int) -> tuple[int, int]:
         return (0, n)
@@ -232,7 +248,7 @@ def _buffer_layout_cached(spec, cfg, pp_rank, overlap_grad_reduce, vocab_pad_tp)
 
 def _class_pieces(
     spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int, dp_rank: int | None,
-    optimizer: str, params_dtype: str, overlap_grad_reduce: bool, vocab_pad_tp: int | None = None,
+    optimizer: str, params_dtype: str, overlap_grad_reduce: bool, vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
 ) -> tuple[Piece, ...]:
     out = _model_block(spec, cfg, tp_rank, pp_rank, optimizer, params_dtype, vocab_pad_tp)
     if optimizer == "adam":
@@ -245,7 +261,7 @@ def _class_pieces(
 def rank_pieces(
     spec: GPTSpec, cfg: ParallelConfig, rank: int, optimizer: str = "adam",
     params_dtype: str = "float32", overlap_grad_reduce: bool = False,
-    vocab_pad_tp: int | None = None,
+    vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
 ) -> list[Piece]:
     """Every piece global rank ``rank`` holds under ``cfg``."""
     check_optimizer(optimizer)
@@ -279,7 +295,7 @@ class LayoutState:
 def expand(
     spec: GPTSpec, cfg: ParallelConfig, optimizer: str = "adam",
     params_dtype: str = "float32", overlap_grad_reduce: bool = False,
-    vocab_pad_tp: int | None = None,
+    vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
 ) -> LayoutState:
     """The holdings of every rank of ``cfg``, as classes of blocks (see module docstring)."""
     check_optimizer(optimizer)

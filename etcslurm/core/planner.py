@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from etcslurm.core.gpt_state import DEFAULT_VOCAB_PAD_TP
 from etcslurm.core.state import (
     Box,
     Piece,
@@ -672,7 +673,7 @@ def _split_to_cap(p: Piece, cap: int) -> list[Piece]:
 def gpt_inputs(
     spec, old, new, leaving=(), joiners: int = 0, gpus_per_node: int = 8,
     optimizer: str = "adam", staging_bytes: int = 512 * 2**20, params_dtype: str = "float32",
-    keep_tp_in_node: bool = False, vocab_pad_tp: int | None = None,
+    keep_tp_in_node: bool = False, vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
 ) -> PlanInputs:
     """:class:`PlanInputs` for a GPT spec moving from layout ``old`` to ``new``.
 
@@ -708,7 +709,7 @@ def gpt_inputs(
 
 def plan_for_gpt(spec, old, new, leaving=(), joiners: int = 0, gpus_per_node: int = 8,
                  optimizer: str = "adam", staging_bytes: int = 512 * 2**20,
-                 params_dtype: str = "float32", vocab_pad_tp: int | None = None) -> MigrationPlan:
+                 params_dtype: str = "float32", vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP) -> MigrationPlan:
     """Convenience: :func:`gpt_inputs` then :func:`plan`."""
     return plan(gpt_inputs(spec, old, new, leaving, joiners, gpus_per_node, optimizer,
                            staging_bytes, params_dtype, vocab_pad_tp=vocab_pad_tp))

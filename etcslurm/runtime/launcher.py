@@ -305,9 +305,15 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
     active_after(opts.workers, events)
     if opts.workers < 1:
         raise UsageError("--workers must be at least 1")
+    if opts.steps < 1 or opts.global_batch < 1:
+        raise UsageError(f"--steps and --global-batch must be at least 1 (got {opts.steps}, "
+                         f"{opts.global_batch})")
     run_id = opts.run_id or f"demo-{int(time.time())}-{os.getpid()}"
     run_dir = Path(opts.run_dir or Path("runs") / run_id).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"run directory {run_dir} is not usable: {exc.strerror}") from None
     t0 = time.perf_counter()
     server = None
     url, pw = opts.redis, opts.password_file

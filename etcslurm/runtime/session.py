@@ -47,7 +47,7 @@ from etcslurm.coord.coordinator import ACTIVE, GONE, JOINING, LEAVING, Coordinat
 from etcslurm.coord.store import RedisStore
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
-from etcslurm.errors import EtcslurmError, MigrationError, StateLostError, WaitTimeout
+from etcslurm.errors import EtcslurmError, MigrationError, StateLostError, UsageError, WaitTimeout
 from etcslurm.runtime.generation import (
     RunSettings,
     first_generation,
@@ -394,7 +394,9 @@ class ElasticSession:
             current = self.coord.current_generation()
             if current is not None and int(current["generation"]) > base:
                 break
-            live = self.coord.live_members()
+            # only workers not yet in any world: after a whole-run checkpoint the previous
+            # job's workers may still be alive (leaving) while the restarted ones register
+            live = {w: i for w, i in self.coord.live_members().items() if i["state"] == JOINING}
             if self.coord.is_leader() and len(live) >= cfg.initial_workers:
                 workers = list(live)[: cfg.initial_workers]
                 nodes = {w: str(i.get("node") or "?") for w, i in live.items()}
@@ -639,7 +641,10 @@ class ElasticSession:
 
     def _checkpoint_dir(self) -> Path:
         path = Path(self.cfg.checkpoint_dir or Path(self.cfg.run_dir) / "checkpoint")
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file, a read-only mount, ...: the user's to fix
+            raise UsageError(f"checkpoint directory {path} is not usable: {exc.strerror}") from None
         return path
 
     def _checkpoint_to_resume(self) -> dict[str, Any] | None:

@@ -239,9 +239,15 @@ def execute(
             try:
                 ok = work.wait(wait_for)
             except (RuntimeError, dist.DistError) as exc:
-                raise WaitTimeout(
-                    f"{device}: round {rnd} transfer did not finish within {timeout:.0f} s "
-                    f"(peers {_peers(by_round.get(rnd, []), device)}): {exc}"
+                peers = _peers(by_round.get(rnd, []), device)
+                if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                    raise WaitTimeout(
+                        f"{device}: round {rnd} transfer did not finish within {timeout:.0f} s "
+                        f"(peers {peers}): {exc}"
+                    ) from exc
+                raise MigrationError(
+                    f"{device}: round {rnd} transfer failed, a peer was lost (peers {peers}): "
+                    f"{str(exc).splitlines()[0][:300]}"
                 ) from exc
             if ok is False:
                 raise WaitTimeout(
