@@ -200,9 +200,9 @@ def kill_leader(redis_url: str, pw: str | None, run_dir: Path, steps: int,
 
 def preempt_during_migration(redis_url: str, pw: str | None, run_dir: Path, steps: int,
                              reference: dict[int, float] | None) -> Row:
-    """4 workers; at step 3 one is preempted; as soon as that resize is published (the
+    """4 workers; at step 2 one is preempted; as soon as that resize is published (the
     state is moving) a second worker gets SIGUSR2: it must leave at the next boundary."""
-    opts = _options(redis_url, pw, run_dir, steps, workers=4, schedule="3:leave=1")
+    opts = _options(redis_url, pw, run_dir, steps, workers=4, schedule="2:leave=1")
 
     def inject(run: LocalRun, tracker: Tracker) -> None:
         rec = run.record
@@ -222,7 +222,12 @@ def redis_restart(redis_url: str | None, pw: str | None, run_dir: Path, steps: i
     """A private persistent Redis restarted (``outage`` seconds down) after step 3."""
     server = BundledRedis(run_dir / "redis", persist=True).start()
     try:
-        opts = _options(server.url, str(server.password_file), run_dir, steps)
+        # heartbeats must outlive the outage (their TTL keeps running while Redis is
+        # down) and rank 0's boundary poll blocks meanwhile while its peers wait in the
+        # boundary all-reduce: both bounds above the outage (see docs/failures.md)
+        opts = _options(server.url, str(server.password_file), run_dir, steps,
+                        dead_after=max(DEAD_AFTER, outage + 10),
+                        collective_timeout=max(COLLECTIVE_TIMEOUT, outage + 15))
 
         def action(run: LocalRun, tracker: Tracker) -> bool:
             tracker.fault_ts = time.time()
@@ -315,7 +320,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outage", type=float, default=4.0, help="redis-outage seconds")
     p.add_argument("--run-dir", default=f"runs/fault-matrix-{os.getpid()}")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--rows", metavar="FILE",
+                   help="only print the table of rows measured by tests/test_faults.py "
+                        "(run with FAULT_MATRIX_ROWS=FILE)")
     args = p.parse_args(argv)
+    if args.rows:
+        rows = [Row(**{k: v for k, v in json.loads(line).items()
+                       if k in ("fault", "outcome", "recover_s", "bytes_lost", "max_loss_diff")})
+                for line in Path(args.rows).read_text().splitlines() if line.strip()]
+        print(table(rows))
+        return 0
     names = [n for n in args.only.split(",") if n] or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:

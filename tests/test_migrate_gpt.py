@@ -27,7 +27,7 @@ def _check(r: dict) -> None:
     assert r["loss_match"] is True
     assert r["losses_p2p"] == r["losses_checkpoint"] and len(r["losses_p2p"]) == 1
     assert r["peak_staging_bytes"] <= r["staging_cap_bytes"]
-    assert 0 < r["moved_bytes"] <= r["state_bytes"] * 2
+    assert 0 <= r["moved_bytes"] <= r["state_bytes"]
     assert r["p2p_seconds"] > 0 and r["checkpoint_seconds"] > 0
 
 
@@ -47,16 +47,20 @@ def test_pp_change_distributed_optimizer() -> None:
 
 @pytest.mark.slow
 def test_dp_shrink_leaving_ranks_hand_over_and_exit() -> None:
-    r = _run(source="tp1pp2dp2", target="tp1pp2dp1", leave=[1, 3])
+    # with the distributed optimizer the leaving ranks hold the only copy of half the
+    # Adam state: they must send it before they exit
+    r = _run(source="tp1pp2dp2", target="tp1pp2dp1", leave=[1, 3], optimizer="distributed")
     _check(r)
+    assert r["moved_bytes"] > 0
     assert r["roles"]["1"] == "leaving" and r["roles"]["3"] == "leaving"
     assert set(r["assignment"].values()) == {"0", "2"}
 
 
 @pytest.mark.slow
-def test_dp_grow_with_joiners_distributed_optimizer() -> None:
-    r = _run(source="tp1pp2dp1", target="tp1pp2dp2", join=2, optimizer="distributed")
+def test_dp_grow_with_joiners_plain_adam() -> None:
+    r = _run(source="tp1pp2dp1", target="tp1pp2dp2", join=2)
     _check(r)
+    assert r["moved_bytes"] > 0
     assert {"join:0", "join:1"} <= set(r["assignment"].values())
 
 

@@ -209,6 +209,12 @@ def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, An
         "losses_checkpoint": new[0]["losses_checkpoint"],
         "losses_before": first.get("losses_before", []),
     }
+    # where the exchange time went (max over ranks, last repetition)
+    out["exchange_breakdown"] = {
+        k: max(t[k] for t in transfers)
+        for k in ("pack_seconds", "checksum_seconds", "comm_seconds", "unpack_seconds",
+                  "local_seconds")
+    }
     bw = first.get("pair_bandwidth")
     if bw:
         bound = max_recv / (bw["bytes"] / bw["seconds"])

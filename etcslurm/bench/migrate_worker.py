@@ -131,6 +131,7 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         raise StateLostError(f"pieces with no holder: {sorted(plan.missing)[:3]}")
     held: list[tuple[Piece, torch.Tensor]] = []
     scalars: dict[str, Any] | None = None
+    trainee = state = None
     if index < n_old:
         progress("build-old")
         parallel.init_parallel(old, index, n_old, ctx.store, 0, timeout_s=timeout)
@@ -211,7 +212,11 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         progress("done")
         return out
     out["role"] = "new"
-    held = []  # the old model's tensors are no longer needed on this device
+    # the old model is no longer needed on this device: free it before building new ones
+    held, trainee, state = [], None, None
+    import gc
+
+    gc.collect()
     # ---------------------------------------------------------------- 2. new world
     if scalars is None or index != 0:
         scalars = json.loads(ctx.store.get("bench/scalars"))
@@ -246,6 +251,9 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         losses_ckpt.append(train_step(ckpt_model))
     out["losses_checkpoint"] = losses_ckpt
     ckpt_model = live = None
+    import gc
+
+    gc.collect()
     # P2P path: build, restore from the receive buffers (timed), train
     p2p_model = build_gpt(spec, new, optimizer, seed, hyper=hyper)
     restore_s, _ = _timed_barrier_max(lambda m=p2p_model, r=received: _restore(m, r, local_state))

@@ -319,19 +319,23 @@ class ElasticSession:
 
     def _leader_sees_change(self) -> bool:
         assert self.coord is not None and self.record is not None
-        leaving, dead, ready, _nodes = self._world_view()
-        if worth_changing(self.settings, self.record, leaving=leaving, dead=dead, ready=ready):
-            return True
-        return bool(self.coord.pending_change()) and bool(leaving or dead)
+        leaving, _dead, ready, _nodes = self._world_view()
+        return worth_changing(self.settings, self.record, leaving=leaving, dead=[], ready=ready)
 
     def _world_view(self) -> tuple[list[str], list[str], list[str], dict[str, str]]:
-        """(leaving, dead, ready, nodes) as the coordinator sees them now."""
+        """(leaving, dead, ready, nodes) as the coordinator sees them now.
+
+        ``dead`` (heartbeat expired or marked gone) is only trusted after a failed
+        collective: at a step boundary every world member has just taken part in the
+        boundary all-reduce, so it is alive even if an overloaded host delayed its
+        heartbeat.
+        """
         assert self.coord is not None and self.record is not None
         world = [a["worker"] for a in self.record["assignment"]]
         members = self.coord.members()
         leaving = [w for w in world if members.get(w, {}).get("state") == LEAVING]
         dead = [w for w in world if (w in members and not members[w].get("alive"))
-                or members.get(w, {}).get("state") == GONE]
+                or members.get(w, {}).get("state") == GONE or w not in members]
         ready = [w for w, i in members.items()
                  if w not in world and i.get("alive") and i["state"] in (JOINING, ACTIVE)]
         nodes = {w: str(i.get("node") or i.get("host") or "?") for w, i in members.items()}
@@ -363,8 +367,8 @@ class ElasticSession:
         assert self.coord is not None and self.record is not None
         from etcslurm.megatron.scalars import extract_scalars
 
-        leaving, dead, ready, nodes = self._world_view()
-        dead = sorted(set(dead) | set(extra_dead))
+        leaving, _dead, ready, nodes = self._world_view()
+        dead = sorted(extra_dead)  # see _world_view: only a failed collective proves death
         record, migration = next_generation(
             self.settings, self.record, leaving=leaving, dead=dead, ready=ready, nodes=nodes,
             step=step, scalars=extract_scalars(self.trainee) if self.trainee else None,
@@ -447,6 +451,10 @@ class ElasticSession:
     def _follow(self, record: dict[str, Any]) -> None:
         """Carry out ``record`` on this worker: migrate, rebuild, or leave."""
         kind = record["kind"]
+        if self.worker_id not in record["union"] and self.record is not None:
+            self.exit_reason = "evicted"
+            raise LeftRun(f"generation {record['generation']} no longer includes "
+                          f"{self.worker_id} (it was taken for dead)")
         if kind == "stop":
             self.finished = True
             raise StateLostError(f"run {self.cfg.run_id} stopped: {record['reason']}")
