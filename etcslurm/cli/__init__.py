@@ -32,7 +32,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports bad arguments as one line and exit code 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"etcslurm {self.prog.split(' ', 1)[-1]}: {message}\n")
+        name = self.prog.split(" ", 1)[1] if " " in self.prog else None
+        sys.stderr.write(f"etcslurm {name}: {message}\n" if name else f"etcslurm: {message}\n")
         raise SystemExit(2)
 
 

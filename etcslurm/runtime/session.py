@@ -502,11 +502,10 @@ class ElasticSession:
 
     def _enter_resize(self, record: dict[str, Any]) -> None:
         """The state exchange in the union world, then the new world's rebuild."""
-        from etcslurm.core.gpt_state import rank_pieces
         from etcslurm.core.planner import plan
         from etcslurm.megatron.adapter import finish_restore, local_state
         from etcslurm.transfer import groups
-        from etcslurm.transfer.executor import ViewIndex, execute_plan
+        from etcslurm.transfer.executor import ViewIndex, execute
 
         assert self.coord is not None and self._store is not None
         cfg = self.cfg
@@ -526,14 +525,16 @@ class ElasticSession:
         new_cfg = ParallelConfig.parse(record["to"])
         new_rank = self._my_rank(record)
         held = local_state(self.trainee).items() if self.trainee is not None else []
-        needed: list[tuple[Any, torch.Tensor]] = []
-        if new_rank is not None:
-            from etcslurm.transfer.executor import torch_dtype
+        # Receive buffers only for what arrives from others: slices this worker already
+        # holds are copied straight from the old model into the new one once it is built
+        # (one copy instead of two), so the old model stays alive until then.
+        from etcslurm.transfer.executor import torch_dtype
 
-            needed = [
-                (p, torch.empty(p.shape, dtype=torch_dtype(p.dtype)))
-                for p in rank_pieces(cfg.spec, new_cfg, new_rank, cfg.optimizer)
-            ]
+        needed: list[tuple[Any, torch.Tensor]] = [
+            (piece, torch.empty(piece.shape, dtype=torch_dtype(piece.dtype)))
+            for m in migration.messages if m.dst == me and m.src != me for piece in m.slices
+        ]
+        local_slices = list(migration.local.get(me, [])) if new_rank is not None else []
         my_msgs = [m for m in migration.messages if me in (m.src, m.dst) and m.src != m.dst]
         total_send = sum(m.nbytes for m in my_msgs if m.src == me)
         total_recv = sum(m.nbytes for m in my_msgs if m.dst == me)
@@ -550,14 +551,15 @@ class ElasticSession:
         groups.configure(self._store, f"{gen}m", union.index(self.worker_id), len(union),
                          timeout=cfg.collective_timeout)
         t_x = time.perf_counter()
-        stats = execute_plan(
-            migration, me, {ids[w]: i for i, w in enumerate(union)}, held, needed,
+        stats = execute(
+            migration.messages, [], me, {ids[w]: i for i, w in enumerate(union)}, held, needed,
             staging_cap=cfg.staging_bytes, timeout=cfg.collective_timeout, progress=progress,
         )
         transfer_s = time.perf_counter() - t_x
         groups.teardown()
         old_layout = record["from"]
-        self.trainee = None  # free the old state
+        old_views = ViewIndex(held, "old model")
+        old_trainee, self.trainee = self.trainee, None
         if new_rank is None:
             leaving = self.worker_id in record["leaving"]
             self.coord.emit("migration.progress", gen=gen, worker=self.worker_id, rank=None,
@@ -574,10 +576,19 @@ class ElasticSession:
         self.rank = new_rank
         self._init_world(record, new_cfg)
         self.trainee = self.build(cfg.spec, new_cfg, cfg)
-        fresh = ViewIndex(local_state(self.trainee).items(), "new model")
+        live = local_state(self.trainee)
+        filled = sum(p.nbytes for p in local_slices) + sum(p.nbytes for p, _ in needed)
+        if filled != live.nbytes:
+            raise MigrationError(
+                f"generation {gen}: rank {new_rank} would get {filled} of the "
+                f"{live.nbytes} bytes its layout holds (the plan does not cover its state)"
+            )
+        fresh = ViewIndex(live.items(), "new model")
+        for piece in local_slices:
+            fresh.view(piece).copy_(old_views.view(piece))
         for piece, tensor in needed:
             fresh.view(piece).copy_(tensor)
-        del needed
+        del needed, old_views, held, old_trainee
         finish_restore(self.trainee, record["scalars"])
         rebuild_s = time.perf_counter() - t_r
         self.record = record
@@ -681,6 +692,10 @@ class ElasticSession:
         world = [a["worker"] for a in self.record["assignment"]]
         deadline = time.monotonic() + cfg.dead_after * 2 + cfg.collective_timeout
         while time.monotonic() < deadline:
+            # beat from here too: a heartbeat thread starved while the groups were torn
+            # down must not let a live survivor look dead to the one deciding
+            with contextlib.suppress(EtcslurmError):
+                self.coord.beat(deadline=0)
             rec = self.coord.current_generation()
             if rec is not None and int(rec["generation"]) > current:
                 self._follow(rec)
