@@ -12,7 +12,7 @@ import pytest
 
 from etcslurm.runtime.launcher import LOSS_TOLERANCE, DemoOptions, run_demo
 
-pytestmark = [pytest.mark.slow, pytest.mark.redis]
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(1200)]
 
 
 def _data_positions(run_dir: Path, steps: int, global_batch: int) -> None:
@@ -47,11 +47,14 @@ def test_leave_join_leave_matches_reference(redis_url: str, run_id: str, tmp_pat
                        redis=redis_url, run_id=run_id, run_dir=str(tmp_path), global_batch=gb,
                        keep_keys_s=5)
     result = run_demo(opts)
-    kinds = [(g["kind"], g["from"], g["to"]) for g in result.generations]
-    assert kinds[0] == ("start", None, "tp1pp1dp4")
-    assert [k for k, _, _ in kinds] == ["start", "resize", "resize", "resize"]
-    assert [g["to"] for g in result.generations] == ["tp1pp1dp4", "tp1pp1dp3", "tp1pp1dp4",
-                                                    "tp1pp1dp3"]
+    gens = result.generations
+    assert (gens[0]["kind"], gens[0]["to"]) == ("start", "tp1pp1dp4")
+    assert all(g["kind"] == "resize" for g in gens[1:]), gens
+    # when the joiners finish importing decides how the changes group into generations;
+    # what must hold: one left, two joined, two more left -> 3 ranks at the end
+    assert sum(len(g["leaving"]) for g in gens) == 3
+    assert sum(len(g["joining"]) for g in gens[1:]) == 2
+    assert gens[-1]["to"] == "tp1pp1dp3" and len(gens) >= 3
     assert len(result.losses) == steps
     assert result.max_loss_diff is not None and result.max_loss_diff <= LOSS_TOLERANCE
     assert result.loss_match
@@ -63,7 +66,12 @@ def test_leave_join_leave_matches_reference(redis_url: str, run_id: str, tmp_pat
     import redis
 
     r = redis.Redis.from_url(redis_url)
-    keys = r.keys(f"etcslurm:{run_id}:*")
-    assert all(0 < r.pttl(k) <= 5000 for k in keys), "run keys must expire"
+    ttls = {k.decode(): r.pttl(k) for k in r.keys(f"etcslurm:{run_id}:*")}
+    # data keys within keep_keys_s; the `ended` marker (refuses late writers) within 60 s
+    lasting = {k: t for k, t in ttls.items()
+               if not (t == -2 or 0 < t <= (60_000 if k.endswith(":ended") else 5000))}
+    assert not lasting, f"run keys must be gone or expire: {lasting}"
     migrations = result.migrations
-    assert len(migrations) == 3 and all(m["pause_seconds"] is not None for m in migrations)
+    assert len(migrations) == len(gens) - 1
+    assert all(m["pause_seconds"] is not None for m in migrations)
+    assert any(m["moved_bytes"] > 0 for m in migrations)  # the joiners received replicas

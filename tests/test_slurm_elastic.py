@@ -1,6 +1,7 @@
 """The REAL elastic runtime on the REAL local Slurm cluster (sbin/slurm-cluster).
 
-Workers are ``python -m etcslurm.runtime.worker`` started by ``templates/elastic.sbatch``
+Workers are the real elastic worker (``etcslurm.runtime.worker``, paced by
+``etcslurm.slurm.paced_worker`` so a run outlives Slurm's reaction times) started by ``templates/elastic.sbatch``
 / ``grow.sbatch`` (or by Submitit); "preemption" is a job in the ``high`` partition
 taking a node, so Slurm itself signals (``preempt_send_user_signal``: USR2) and, after
 the partition's GraceTime, kills.  Each test checks the loss curve against a
@@ -48,10 +49,13 @@ STEPS = 24
 GLOBAL_BATCH = 12
 SEED = 4321
 RUN_TIMEOUT = 900.0  # a whole run on 2 heavily shared cores
-# collective timeout: workers of different Slurm jobs start seconds apart on a loaded
-# machine; a leaver never waits on it (it only sends), so it costs nothing here
-WORKER_ARGS = ["--collective-timeout", "60", "--dead-after", "20"]
-WORKER_CMD = f"{sys.executable} -m etcslurm.runtime.worker " + " ".join(WORKER_ARGS)
+# The real worker, each step lasting >= 3 s (etcslurm.slurm.paced_worker): on idle CPUs
+# this model trains a step in ~0.1 s and the run would end before Slurm or a joining
+# job's imports could take part.  Collective timeout: workers of different Slurm jobs
+# start seconds apart on a loaded machine.
+WORKER_ARGS = ["--min-step-seconds", "3", "--collective-timeout", "60", "--dead-after", "20"]
+WORKER_MODULE = "etcslurm.slurm.paced_worker"
+WORKER_CMD = f"{sys.executable} -m {WORKER_MODULE} " + " ".join(WORKER_ARGS)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -275,12 +279,12 @@ def test_submitit_run_grows_and_survives_preemption(
     run = Run(redis_url, run_id, 1, run_dir)
     argv = ["--run-dir", str(run_dir), *WORKER_ARGS]
     folder = tmp_path / "submitit"
-    res = submit("etcslurm.runtime.worker:main", argv, via="submitit", cluster="slurm",
+    res = submit(f"{WORKER_MODULE}:main", argv, via="submitit", cluster="slurm",
                  run_id=run_id, nodes=1, redis_url=redis_url, partition=PARTITION,
                  time_limit=20, folder=folder, slurm_params={"exclusive": True})
     jobs.append(res.job_id)
     run.wait(lambda: run.step() >= 1, RUN_TIMEOUT / 2, "the first worker training")
-    g = grow(run_id, 2, "etcslurm.runtime.worker:main", argv, redis_url=redis_url,
+    g = grow(run_id, 2, f"{WORKER_MODULE}:main", argv, redis_url=redis_url,
              via="submitit", cluster="slurm", split=True, partition=PARTITION, time_limit=20,
              folder=folder, slurm_params={"exclusive": True})
     jobs.extend(g.job_id.split(","))
