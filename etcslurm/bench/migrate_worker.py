@@ -41,7 +41,7 @@ from etcslurm.core.models import GPTSpec
 from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError, StateLostError
 from etcslurm.transfer import groups
-from etcslurm.transfer.executor import ViewIndex, execute_plan
+from etcslurm.transfer.executor import ViewIndex, execute
 
 
 def _max(value: float) -> float:
@@ -185,17 +185,20 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
     )
     out["plan_seconds"] = plan_seconds
     new_rank = plan.assignment.index(device) if device in plan.assignment else None
-    needed: list[tuple[Piece, torch.Tensor]] = []
-    if new_rank is not None:
-        from etcslurm.core.gpt_state import rank_pieces
-
-        needed = [(p, torch.empty(p.shape, dtype=getattr(torch, p.dtype)))
-                  for p in rank_pieces(spec, new, new_rank, optimizer)]
+    # Receive buffers only for slices that arrive from other devices; slices this device
+    # already holds go straight from the old model into the new one at restore time (one
+    # copy instead of two), as the runtime does.
+    needed: list[tuple[Piece, torch.Tensor]] = [
+        (piece, torch.empty(piece.shape, dtype=getattr(torch, piece.dtype)))
+        for m in plan.messages if m.dst == device and m.src != device for piece in m.slices
+    ]
+    local_slices = list(plan.local.get(device, [])) if new_rank is not None else []
     p2p_times, stats = [], None
     for rep in range(repeat):
         def run(rep: int = rep, held: Any = held, needed: Any = needed) -> Any:
-            return execute_plan(
-                plan, device, ranks, held, needed, staging_cap=int(c["staging_bytes"]),
+            return execute(
+                plan.messages, [], device, ranks, held, needed,
+                staging_cap=int(c["staging_bytes"]),
                 timeout=timeout,
                 progress=lambda info, rep=rep: progress("p2p", repeat=rep, **info),
             )
@@ -212,11 +215,8 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         progress("done")
         return out
     out["role"] = "new"
-    # the old model is no longer needed on this device: free it before building new ones
-    held, trainee, state = [], None, None
-    import gc
-
-    gc.collect()
+    # the old model stays alive until the P2P restore has copied the local slices out
+    old_views = ViewIndex(held, "old model")
     # ---------------------------------------------------------------- 2. new world
     if scalars is None or index != 0:
         scalars = json.loads(ctx.store.get("bench/scalars"))
@@ -236,35 +236,43 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
     out["checkpoint_load_seconds"] = loads
     live = local_state(ckpt_model)
     _check_holdings(spec, new, new_rank, optimizer, live.pieces, "new")
-    received = ViewIndex(needed, "received")
-    mismatched = [p for p, v in live.items() if not _bits_equal(v, received.view(p))]
+    # P2P path: build, restore local slices (old model) + received slices (timed)
+    p2p_model = build_gpt(spec, new, optimizer, seed, hyper=hyper)
+    restore_s, copied = _timed_barrier_max(
+        lambda m=p2p_model: _restore(m, local_slices, old_views, needed, local_state))
+    restore_scalars(p2p_model, scalars)
+    out["restore_seconds"] = restore_s
+    p2p_live = local_state(p2p_model)
+    if copied != p2p_live.nbytes:
+        raise MigrationError(f"restore filled {copied} of {p2p_live.nbytes} bytes of rank {new_rank}")
+    p2p_views = ViewIndex(p2p_live.items(), "p2p model")
+    mismatched = [p for p, v in live.items() if not _bits_equal(v, p2p_views.view(p))]
     out["p2p_equals_checkpoint"] = not mismatched if use_ckpt else None
     out["mismatch_p2p_vs_checkpoint"] = [p.to_json() for p in mismatched[:5]]
     if c.get("verify_global", True):
         reference = GlobalState(work / "global")
-        bad = [p for p, v in needed if not _bits_equal(v, reference.expected(p))]
+        bad = [p for p, v in p2p_live.items() if not _bits_equal(v, reference.expected(p))]
         out["p2p_equals_pre_migration"] = not bad
         out["mismatch_p2p_vs_pre_migration"] = [p.to_json() for p in bad[:5]]
+    # the old state is no longer needed on this device
+    held, trainee, state, old_views, needed = [], None, None, None, []
+    p2p_views = p2p_live = live = None
+    import gc
+
+    gc.collect()
     losses_ckpt = []
     for step in range(steps_after):
         progress("train-checkpoint", step=step)
         losses_ckpt.append(train_step(ckpt_model))
     out["losses_checkpoint"] = losses_ckpt
-    ckpt_model = live = None
-    import gc
-
+    ckpt_model = None
     gc.collect()
-    # P2P path: build, restore from the receive buffers (timed), train
-    p2p_model = build_gpt(spec, new, optimizer, seed, hyper=hyper)
-    restore_s, _ = _timed_barrier_max(lambda m=p2p_model, r=received: _restore(m, r, local_state))
-    restore_scalars(p2p_model, scalars)
-    out["restore_seconds"] = restore_s
     losses_p2p = []
     for step in range(steps_after):
         progress("train-p2p", step=step)
         losses_p2p.append(train_step(p2p_model))
     out["losses_p2p"] = losses_p2p
-    p2p_model = needed = received = None
+    p2p_model = None
     if c.get("reference", False):
         progress("reference")
         ref = build_gpt(spec, new, optimizer, seed, hyper=hyper)
@@ -276,11 +284,17 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
     return out
 
 
-def _restore(trainee: Any, received: ViewIndex, local_state: Any) -> int:
-    """Copy the received pieces into the freshly built model/optimizer; bytes copied."""
+def _restore(trainee: Any, local: list[Piece], old: ViewIndex,
+             received: list[tuple[Piece, torch.Tensor]], local_state: Any) -> int:
+    """Fill the freshly built model/optimizer: local slices from the old model, the rest
+    from the receive buffers; returns the bytes copied (must be all of the new state)."""
+    fresh = ViewIndex(local_state(trainee).items(), "new model")
     n = 0
-    for piece, view in local_state(trainee).items():
-        view.copy_(received.view(piece))
+    for piece in local:
+        fresh.view(piece).copy_(old.view(piece))
+        n += piece.nbytes
+    for piece, buf in received:
+        fresh.view(piece).copy_(buf)
         n += piece.nbytes
     return n
 
