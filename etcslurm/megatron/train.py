@@ -89,6 +89,11 @@ def train_step(trainee: Trainee, data_seed: int | None = None) -> float:
 
     Every rank returns the same value (a float64 sum over the last pipeline stage's
     micro-batch losses, all-reduced over the world, divided by the global batch).
+
+    Atomic with respect to peer failures, which the elastic runtime relies on to redo a
+    step in which a peer died: the loss is reduced *before* the optimizer update and
+    nothing communicates after it (plain Adam's update is local; gradient clipping's norm
+    all-reduce runs before it), so a failure surfaces before any rank changed its state.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -110,18 +115,18 @@ def train_step(trainee: Trainee, data_seed: int | None = None) -> float:
         decoder_seq_length=spec.seq,
         forward_only=False,
     )
-    ok, _grad_norm, _zeros = trainee.optimizer.step()
-    if not ok:
-        raise RuntimeError(f"optimizer step {trainee.iteration} was skipped (inf/nan grads)")
-    if trainee.scheduler is not None:
-        trainee.scheduler.step(increment=hyper.global_batch)
     total = torch.zeros(1, dtype=torch.float64)
     if (
         parallel_state.is_pipeline_last_stage()
         and parallel_state.get_tensor_model_parallel_rank() == 0
     ):
         total += sum(float(d["lm loss"]) for d in losses)
-    dist.all_reduce(total)
+    dist.all_reduce(total)  # the last collective before the update
+    ok, _grad_norm, _zeros = trainee.optimizer.step()
+    if not ok:
+        raise RuntimeError(f"optimizer step {trainee.iteration} was skipped (inf/nan grads)")
+    if trainee.scheduler is not None:
+        trainee.scheduler.step(increment=hyper.global_batch)
     trainee.iteration += 1
     trainee.consumed_samples += hyper.global_batch
     micro_total = hyper.global_batch // hyper.micro_batch

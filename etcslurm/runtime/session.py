@@ -737,7 +737,7 @@ class ElasticSession:
 def run_worker(config: SessionConfig, train_step: Callable[[Any], float] | None = None) -> int:
     """The whole elastic training loop of one worker; returns its exit code."""
     if train_step is None:
-        from etcslurm.runtime.train import atomic_train_step as train_step
+        from etcslurm.megatron.train import train_step
     session = ElasticSession(config)
     try:
         with session:

@@ -23,8 +23,8 @@ from etcslurm.errors import EtcslurmError
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the worker's own options plus ``--min-step-seconds``; run the worker."""
+    from etcslurm.megatron.train import train_step
     from etcslurm.runtime.session import run_worker
-    from etcslurm.runtime.train import atomic_train_step
     from etcslurm.runtime.worker import _parser, config_from_args
 
     logging.basicConfig(level=os.environ.get("ETCSLURM_LOG", "WARNING"),
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def paced_step(trainee: Any) -> float:
         started = time.monotonic()
-        loss = atomic_train_step(trainee)
+        loss = train_step(trainee)
         time.sleep(max(0.0, pace - (time.monotonic() - started)))
         return loss
 
