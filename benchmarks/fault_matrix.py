@@ -223,6 +223,28 @@ def preempt_during_migration(redis_url: str, pw: str | None, run_dir: Path, step
     return row
 
 
+def kill_receiver_mid_migration(redis_url: str, pw: str | None, run_dir: Path, steps: int,
+                                reference: dict[int, float] | None) -> Row:
+    """3 workers; a 4th joins; while its replica is being sent to it (workers pause 2 s
+    inside the migration to widen the window) it gets SIGKILL: the senders' exchange
+    fails, nothing was applied, and the next generation is planned from the old state."""
+    opts = _options(redis_url, pw, run_dir, max(steps, 12), schedule="1:join=1;1:killjoiner=1",
+                    migration_delay=2.0, min_step_seconds=1.5)
+
+    def inject(run: LocalRun, tracker: Tracker) -> None:
+        killed = [wp for wp in run.procs if wp.killed]
+        if killed:
+            tracker.fault_ts = killed[0].signalled_at
+            tracker.done = True
+
+    row = _run("SIGKILL of a receiving rank mid-migration", opts, inject, reference)
+    # recovered = the generation planned again from the old state is done
+    done = [e for e in row.events if e["type"] == "migration.done"
+            and int(e["data"].get("gen", -1)) >= 2]
+    row.recover_s = round(done[0]["ts"] - row.fault_ts, 2) if done and row.fault_ts else None
+    return row
+
+
 def redis_restart(redis_url: str | None, pw: str | None, run_dir: Path, steps: int,
                   reference: dict[int, float] | None, outage: float = 0.0) -> Row:
     """A private persistent Redis restarted (``outage`` seconds down) after step 3."""
@@ -293,6 +315,7 @@ SCENARIOS = {
     "kill-worker": kill_worker,
     "kill-leader": kill_leader,
     "preempt-during-migration": preempt_during_migration,
+    "kill-receiver-mid-migration": kill_receiver_mid_migration,
     "redis-restart": redis_restart,
     "redis-outage": None,  # redis_restart with an outage, see main()
     "lost-pieces": lost_pieces,

@@ -171,6 +171,30 @@ def test_preemption_during_a_migration_gives_two_resizes_back_to_back(
 
 @pytest.mark.slow
 @pytest.mark.redis
+def test_sigkill_of_a_receiver_mid_migration_falls_back_to_the_old_state(
+        redis_url: str, reference: _Reference, tmp_path: Path) -> None:
+    row = _measured(fm.kill_receiver_mid_migration(redis_url, None, tmp_path, STEPS, None),
+                    reference)
+    res = row.result
+    assert row.error is None, row.error
+    assert res is not None and sorted(res.losses) == list(range(1, max(STEPS, 12) + 1))
+    assert row.max_loss_diff is not None and row.max_loss_diff <= LOSS_TOLERANCE
+    gens = [row.records[g] for g in sorted(row.records)]
+    kinds = [(g["kind"], g["from"], g["to"]) for g in gens]
+    # the failed generation (the joiner taken in) and the one planned again without it
+    assert kinds[:3] == [("start", None, "tp1pp1dp3"), ("resize", "tp1pp1dp3", "tp1pp1dp4"),
+                         ("resize", "tp1pp1dp3", "tp1pp1dp3")], kinds
+    joiner = gens[1]["joining"][0]
+    assert res.exit_codes[joiner] == -9
+    assert all(code == 0 for w, code in res.exit_codes.items() if w != joiner), res.exit_codes
+    errors = [e["data"].get("message", "") for e in row.events if e["type"] == "error"]
+    assert any("migration to generation 1 failed" in m for m in errors), errors
+    assert row.bytes_lost == 0
+    assert _pids_alive(res.pids) == []
+
+
+@pytest.mark.slow
+@pytest.mark.redis
 @pytest.mark.parametrize("outage", [0.0, 3.0])
 def test_redis_restart_and_outage_mid_run(outage: float, redis_url: str,
                                           reference: _Reference, tmp_path: Path) -> None:

@@ -448,7 +448,7 @@ class RunModel:
 
     def _on_generation_start(self, ts: float, d: dict[str, Any]) -> str | None:
         gen = _int(d.get("gen", d.get("generation")))
-        if gen is None:
+        if gen is None or d.get("kind") == "end":  # the run's closing record: no new layout
             return None
         # not self.layout: a read of the gen key may already have brought the new one
         prev = layout_text(d.get("from")) or self.layout_by_gen.get(gen - 1)

@@ -55,6 +55,8 @@ class DemoOptions:
     collective_timeout: float = 10.0
     timeout: float = 600.0
     keep_keys_s: float = 60.0
+    migration_delay: float = 0.0  # fault tests: workers pause this long inside a migration
+    min_step_seconds: float = 0.0  # fault tests: pace the steps so joiners arrive in time
 
 
 @dataclass
@@ -140,12 +142,17 @@ class LocalRun:
         self.record: dict[str, Any] | None = None
         self.result = DemoResult(run_id, str(run_dir), opts.steps)
         self._joined_nodes = 0
+        self.kill_joiners = 0
 
     def spawn(self, node: str) -> WorkerProc:
         index = len(self.procs)
         log = self.run_dir / f"worker-{index}.log"
         env = dict(os.environ)
         env.update(ETCSLURM_NODE=node, PYTHONUNBUFFERED="1")
+        if self.opts.migration_delay:
+            env["ETCSLURM_TEST_MIGRATION_DELAY"] = str(self.opts.migration_delay)
+        if self.opts.min_step_seconds:
+            env["ETCSLURM_MIN_STEP_SECONDS"] = str(self.opts.min_step_seconds)
         cmd = [
             sys.executable, "-m", "etcslurm.runtime.worker", "--run", self.run_id,
             "--redis", self.url, "--run-dir", str(self.run_dir),
@@ -189,6 +196,9 @@ class LocalRun:
         if event.action == "join":
             self.spawn_joiners(event.count)
             return
+        if event.action == "killjoiner":  # armed: fires at the next generation with joiners
+            self.kill_joiners += event.count
+            return
         victims = self._victims(event.count)
         if len(victims) < event.count:
             raise UsageError(
@@ -220,8 +230,17 @@ class LocalRun:
                 if self.result.generations and "first_step_ts" not in self.result.generations[-1]:
                     self.result.generations[-1]["first_step_ts"] = ev["ts"]
             elif kind == "generation.start":
-                self.record = self.coord.current_generation()
+                latest = self.coord.current_generation()
+                if latest is not None and latest.get("kind") == "end":
+                    continue  # the closing record that sends waiting joiners home
+                self.record = latest
                 rec = self.record or {}
+                for wid in list(rec.get("joining") or [])[: self.kill_joiners]:
+                    wp = self.by_worker.get(wid)
+                    if wp is not None and rec.get("kind") == "resize":
+                        wp.killed, wp.signalled_at = True, time.time()
+                        wp.proc.send_signal(signal.SIGKILL)
+                        self.kill_joiners -= 1
                 self.result.generations.append({
                     "generation": rec.get("generation"), "kind": rec.get("kind"),
                     "from": rec.get("from"), "to": rec.get("to"), "world": rec.get("world"),

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -291,6 +292,15 @@ class ElasticSession:
         if step >= cfg.steps:
             self.finished = True
             self.exit_reason = "finished"
+            if self.rank == 0:  # standbys and late joiners waiting for a generation: go home
+                cur = self.record
+                self.coord.publish_generation({
+                    "generation": int(cur["generation"]) + 1, "kind": "end", "step": step,
+                    "from": cur["to"], "to": cur["to"], "layout": cur["to"],
+                    "world": cur["world"], "assignment": cur["assignment"], "union": [],
+                    "leaving": [], "joining": [], "dead": [], "idle": [],
+                    "reason": f"finished {step} steps",
+                })
             return
         if self._boundary_change():
             self._resize(step)
@@ -374,6 +384,9 @@ class ElasticSession:
             step=step, scalars=extract_scalars(self.trainee) if self.trainee else None,
             reason=reason,
         )
+        latest = self.coord.current_generation()
+        if latest is not None:  # after a failed migration the failed record is the latest
+            record["generation"] = max(record["generation"], int(latest["generation"]) + 1)
         if migration is not None:
             record["plan_stats"] = {k: migration.stats.get(k) for k in (
                 "moved_bytes", "local_bytes", "state_bytes", "messages", "rounds",
@@ -442,8 +455,8 @@ class ElasticSession:
             except WaitTimeout:
                 continue
             after = int(record["generation"])
-            if record.get("kind") == "stop" or record.get("end"):
-                raise LeftRun("the run stopped")
+            if record.get("kind") in ("stop", "end"):
+                raise LeftRun(f"the run ended: {record.get('reason')}")
             if self.worker_id in record["union"]:
                 self._follow(record)
                 return
@@ -548,13 +561,29 @@ class ElasticSession:
                             total_send=total_send, total_recv=total_recv)
 
         progress({})
-        groups.configure(self._store, f"{gen}m", union.index(self.worker_id), len(union),
-                         timeout=cfg.collective_timeout)
         t_x = time.perf_counter()
-        stats = execute(
-            migration.messages, [], me, {ids[w]: i for i, w in enumerate(union)}, held, needed,
-            staging_cap=cfg.staging_bytes, timeout=cfg.collective_timeout, progress=progress,
-        )
+        try:
+            groups.configure(self._store, f"{gen}m", union.index(self.worker_id), len(union),
+                             timeout=cfg.collective_timeout)
+            delay = float(os.environ.get("ETCSLURM_TEST_MIGRATION_DELAY", "0") or 0)
+            if delay > 0:  # fault tests: widen the window in which a peer can be killed
+                time.sleep(delay)
+            stats = execute(
+                migration.messages, [], me, {ids[w]: i for i, w in enumerate(union)}, held,
+                needed, staging_cap=cfg.staging_bytes, timeout=cfg.collective_timeout,
+                progress=progress,
+            )
+        except (RuntimeError, dist.DistError, MigrationError, WaitTimeout) as exc:
+            # a peer died mid-exchange: nothing was applied anywhere (the new model is
+            # only built afterwards), so fall back to the previous generation's state
+            groups.abort()
+            self.coord.emit("error", worker=self.worker_id,
+                            message=f"migration to generation {gen} failed: {str(exc)[:160]}")
+            if self.record is None:  # a joiner holds nothing: wait for the next try
+                self._wait_to_join(after=gen)
+            else:
+                self._recover(exc, failed=record)
+            return
         transfer_s = time.perf_counter() - t_x
         groups.teardown()
         old_layout = record["from"]
@@ -678,18 +707,24 @@ class ElasticSession:
             raise StateLostError(f"cannot read checkpoint pointer {latest}: {exc}") from None
 
     # ------------------------------------------------------------------ failures
-    def _recover(self, exc: BaseException) -> None:
-        """A collective failed: a peer probably died.  Rebuild from the survivors."""
+    def _recover(self, exc: BaseException, failed: dict[str, Any] | None = None) -> None:
+        """A collective failed: a peer probably died.  Rebuild from the survivors.
+
+        ``failed``: the generation whose state exchange broke off.  Its old members still
+        hold the previous generation's state intact (nothing was applied), so the next
+        generation is planned from that state again, without the dead.
+        """
         from etcslurm.transfer import groups
 
         assert self.coord is not None and self.record is not None
         cfg = self.cfg
-        current = int(self.record["generation"])
+        current = int((failed or self.record)["generation"])
         log.warning("step failed on %s (%s); recovering", self.worker_id, str(exc)[:200])
         self._change_started = time.perf_counter()
         groups.abort()
         self.coord.emit("error", worker=self.worker_id, message=f"collective failed: {str(exc)[:200]}")
         world = [a["worker"] for a in self.record["assignment"]]
+        suspects = list(failed["union"]) if failed else world
         deadline = time.monotonic() + cfg.dead_after * 2 + cfg.collective_timeout
         while time.monotonic() < deadline:
             # beat from here too: a heartbeat thread starved while the groups were torn
@@ -701,14 +736,14 @@ class ElasticSession:
                 self._follow(rec)
                 return
             members = self.coord.members()
-            dead = [w for w in world if not members.get(w, {}).get("alive")
+            dead = [w for w in suspects if not members.get(w, {}).get("alive")
                     or members.get(w, {}).get("state") == GONE]
             alive_world = [w for w in world if w not in dead]
             if dead and alive_world and alive_world[0] == self.worker_id:
                 for w in dead:
                     self.coord.mark_gone(w, "heartbeat lost")
                 self._publish_next(self.step_index, reason=f"recover: {', '.join(dead)} died",
-                                   extra_dead=tuple(dead))
+                                   extra_dead=tuple(w for w in dead if w in world))
                 continue
             time.sleep(0.2)
         raise WaitTimeout(
@@ -739,11 +774,17 @@ def run_worker(config: SessionConfig, train_step: Callable[[Any], float] | None 
     if train_step is None:
         from etcslurm.megatron.train import train_step
     session = ElasticSession(config)
+    # fault tests and demos: make each step last at least this long (after the update, so
+    # losses and data order are unchanged), to give joiners time to arrive
+    pace = float(os.environ.get("ETCSLURM_MIN_STEP_SECONDS", "0") or 0)
     try:
         with session:
             while not session.finished:
+                t0 = time.perf_counter()
                 with session.step():
                     loss = train_step(session.trainee)
+                    if pace > 0:
+                        time.sleep(max(0.0, pace - (time.perf_counter() - t0)))
                     session.step_done(loss)
     except LeftRun:
         session.close(GONE)
