@@ -27,7 +27,9 @@ def _check(r: dict) -> None:
     assert r["loss_match"] is True
     assert r["losses_p2p"] == r["losses_checkpoint"] and len(r["losses_p2p"]) == 1
     assert r["peak_staging_bytes"] <= r["staging_cap_bytes"]
-    assert 0 <= r["moved_bytes"] <= r["state_bytes"]
+    # the planner moves exactly what no assignment can find in place (new replicas may make
+    # that more than the old state: a DP grow needs new copies)
+    assert r["moved_bytes"] == r["lower_bound_moved_bytes"]
     assert r["p2p_seconds"] > 0 and r["checkpoint_seconds"] > 0
 
 
