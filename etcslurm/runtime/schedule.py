@@ -58,7 +58,7 @@ def active_after(initial: int, events: tuple[ScheduledEvent, ...]) -> list[int]:
     counts, n = [], initial
     for event in events:
         n += event.count if event.action == "join" else -event.count
-        if n < 1:
+        if n < 0:
             raise UsageError(
                 f"schedule removes more workers than are running at step {event.step} "
                 f"({n + event.count} running, {event.action}={event.count})"
