@@ -100,6 +100,15 @@ def _persistent_writer_loop(*args: Any, **kwargs: Any) -> None:
     if cpu_shim.install_if_needed():
         torch.cuda.device_count = lambda: 1
     parent = os.getppid()
+    try:  # the kernel's guarantee first: SIGKILL when the trainer dies (Linux)
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the trainer died before the call took effect
+            os._exit(0)
+    except OSError:
+        pass
 
     def _exit_with_parent() -> None:
         # megatron's writer blocks on its queue forever when the trainer dies (a crashed
