@@ -11,7 +11,16 @@ kill-leader               SIGKILL of rank 0 (the rank that publishes and polls)
 preempt-during-migration  SIGUSR2 to a surviving rank while a resize is in flight;
                           it leaves at the next step boundary: two resizes back to back
 redis-restart             the coordinator's redis-server restarted (AOF on) mid-run
-redis-outage              the coordinator unreachable for ``--outage`` seconds mid-run
+redis-outage              redis-server stopped for ``--outage`` seconds, then restarted
+redis-unreachable         redis-server hung (SIGSTOP) for ``--unreachable`` (30) seconds,
+                          with the default timeouts: training goes on meanwhile
+kill-receiver-mid-...     SIGKILL of a joiner while its replica is being sent to it
+kill-sender-mid-...       SIGKILL of a sending rank after the first round of a transfer
+kill-leader-mid-...       the same for rank 0, the rank that publishes generations
+kill-during-rebuild       SIGKILL of a new member after the exchange, while the new world
+                          forms (the leaver has not left yet): fall back to the old state
+joiner-never-arrives      a joiner taken into a generation hangs (SIGSTOP) before the
+                          exchange; later let go, it must find itself out of the run
 lost-pieces               SIGKILL with the distributed optimizer (no replica of the
                           killed rank's optimizer shard): a clean stop, exit 5
 corrupt-message           one received migration buffer flipped (executor hook): the
@@ -69,11 +78,12 @@ class Row:
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
     fault_ts: float | None = None
     run_id: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"fault": self.fault, "outcome": self.outcome, "recover_s": self.recover_s,
                 "bytes_lost": self.bytes_lost, "max_loss_diff": self.max_loss_diff,
-                "error": self.error, "run_id": self.run_id,
+                "error": self.error, "run_id": self.run_id, "detail": self.detail,
                 "exit_codes": self.result.exit_codes if self.result else None,
                 "generations": [
                     {k: r.get(k) for k in ("generation", "kind", "from", "to", "step", "dead",
@@ -245,6 +255,172 @@ def kill_receiver_mid_migration(redis_url: str, pw: str | None, run_dir: Path, s
     return row
 
 
+def _worker_of(tracker: Tracker, generation: int, rank: int) -> str | None:
+    rec = tracker.records.get(generation)
+    for a in (rec or {}).get("assignment", []):
+        if a["rank"] == rank:
+            return str(a["worker"])
+    return None
+
+
+def _signal_worker(run: LocalRun, worker: str, sig: int) -> bool:
+    wp = run.by_worker.get(worker)
+    if wp is None or wp.proc.poll() is not None:
+        return False
+    wp.signalled_at = time.time()
+    wp.killed = wp.killed or sig in (signal.SIGKILL, signal.SIGSTOP)
+    wp.proc.send_signal(sig)
+    return True
+
+
+def _recovered_after(row: Row, generation: int) -> Row:
+    """recover s = fault → ``migration.done`` of the first generation >= ``generation``."""
+    done = [e for e in row.events if e["type"] == "migration.done"
+            and int(e["data"].get("gen", -1)) >= generation]
+    row.recover_s = round(done[0]["ts"] - row.fault_ts, 2) if done and row.fault_ts else None
+    return row
+
+
+def _kill_mid_transfer(redis_url: str, pw: str | None, run_dir: Path, steps: int,
+                       reference: dict[int, float] | None, old_rank: int, name: str) -> Row:
+    """3 workers; a 4th joins and receives a replica in several rounds (0.5 MiB staging
+    cap); once ``old_rank`` of the old world has sent part of its share (its progress
+    event after the first round, where the workers pause 3 s), it gets SIGKILL."""
+    opts = _options(redis_url, pw, run_dir, max(steps, 12), schedule="1:join=1",
+                    migration_delay=3.0, min_step_seconds=1.5, staging_mb=0.5)
+    seen: dict[str, Any] = {}
+
+    def inject(run: LocalRun, tracker: Tracker) -> None:
+        rec = run.record
+        if rec is None or rec.get("kind") != "resize" or not rec.get("joining"):
+            return
+        gen = int(rec["generation"])
+        victim = _worker_of(tracker, gen - 1, old_rank)
+        for ev in run.migration_events:
+            d = ev["data"]
+            if (ev["type"] == "migration.progress" and d.get("gen") == gen
+                    and d.get("worker") == victim and int(d.get("sent") or 0) > 0
+                    and victim is not None and _signal_worker(run, victim, signal.SIGKILL)):
+                tracker.fault_ts, tracker.done = time.time(), True
+                seen.update(sent=d["sent"], total=d["total_send"], worker=victim)
+                return
+
+    row = _recovered_after(_run(name, opts, inject, reference), 2)
+    if seen and row.outcome.startswith("completed"):
+        row.outcome += (f"; killed after sending {seen['sent']} of {seen['total']} B, "
+                        "replanned from the old state")
+    row.detail = seen
+    return row
+
+
+def kill_sender_mid_migration(redis_url: str, pw: str | None, run_dir: Path, steps: int,
+                              reference: dict[int, float] | None) -> Row:
+    return _kill_mid_transfer(redis_url, pw, run_dir, steps, reference, 2,
+                              "SIGKILL of a sending rank mid-migration")
+
+
+def kill_leader_mid_migration(redis_url: str, pw: str | None, run_dir: Path, steps: int,
+                              reference: dict[int, float] | None) -> Row:
+    return _kill_mid_transfer(redis_url, pw, run_dir, steps, reference, 0,
+                              "SIGKILL of the leader (rank 0) mid-migration")
+
+
+def joiner_never_arrives(redis_url: str, pw: str | None, run_dir: Path, steps: int,
+                         reference: dict[int, float] | None) -> Row:
+    """3 workers; a 4th registers and is taken into generation 1, then hangs (SIGSTOP)
+    before the exchange: the others' rendezvous times out, its heartbeat lapses, and the
+    change is planned again without it.  Once that is done it is let go (SIGCONT): it
+    must find itself out of the run and not disturb it."""
+    opts = _options(redis_url, pw, run_dir, max(steps, 12), schedule="1:join=1",
+                    min_step_seconds=1.5)
+    stalled: list[str] = []
+
+    def inject(run: LocalRun, tracker: Tracker) -> None:
+        rec = run.record
+        if not stalled:
+            if rec is not None and rec.get("kind") == "resize" and rec.get("joining"):
+                worker = str(rec["joining"][0])
+                if _signal_worker(run, worker, signal.SIGSTOP):
+                    stalled.append(worker)
+                    tracker.fault_ts = time.time()
+            return
+        if rec is not None and int(rec["generation"]) >= 2 and worker_done(run, 2):
+            wp = run.by_worker[stalled[0]]
+            wp.killed = False  # from here on it must behave: exit 0 at the end
+            wp.proc.send_signal(signal.SIGCONT)
+            tracker.done = True
+
+    def worker_done(run: LocalRun, gen: int) -> bool:
+        return any(m.get("gen") is not None and int(m["gen"]) >= gen
+                   for m in run.result.migrations)
+
+    row = _recovered_after(_run("joiner taken in that never arrives (hangs)", opts, inject,
+                                reference), 2)
+    row.detail = {"stalled": stalled}
+    return row
+
+
+def kill_during_rebuild(redis_url: str, pw: str | None, run_dir: Path, steps: int,
+                        reference: dict[int, float] | None) -> Row:
+    """4 workers, one preempted at step 2 (dp4 → dp3); after the exchange, while the new
+    world forms (members pause 3 s there), new rank 1 gets SIGKILL.  Nobody has committed
+    the new generation and the leaver is still there, so all fall back to the old state
+    and plan again without the dead: dp4 − leaver − dead = dp2."""
+    opts = _options(redis_url, pw, run_dir, max(steps, 8), workers=4, schedule="2:leave=1",
+                    rebuild_delay=3.0)
+
+    def inject(run: LocalRun, tracker: Tracker) -> None:
+        rec = run.record
+        if rec is None or int(rec["generation"]) != 1:
+            return
+        victim = _worker_of(tracker, 1, 1)
+        for ev in run.migration_events:
+            if (ev["type"] == "migration.rebuild" and ev["data"].get("gen") == 1
+                    and ev["data"].get("worker") == victim and victim is not None
+                    and _signal_worker(run, victim, signal.SIGKILL)):
+                tracker.fault_ts, tracker.done = time.time(), True
+                return
+
+    return _recovered_after(_run("SIGKILL of a new member while the new world forms", opts,
+                                 inject, reference), 2)
+
+
+def redis_unreachable(redis_url: str | None, pw: str | None, run_dir: Path, steps: int,
+                      reference: dict[int, float] | None, outage: float = 30.0) -> Row:
+    """The coordinator's Redis hangs (SIGSTOP: connections open but nothing answers, like
+    a network partition) for ``outage`` seconds after step 2, with the runtime's default
+    ``dead_after`` / ``collective_timeout`` (10 s): training must go on meanwhile."""
+    server = BundledRedis(run_dir / "redis").start()
+    try:
+        opts = _options(server.url, str(server.password_file), run_dir, max(steps, 12),
+                        min_step_seconds=1.0)
+        window: dict[str, float] = {}
+
+        def action(run: LocalRun, tracker: Tracker) -> bool:
+            assert server.proc is not None
+            tracker.fault_ts = window["start"] = time.time()
+            server.proc.send_signal(signal.SIGSTOP)
+            time.sleep(outage)
+            server.proc.send_signal(signal.SIGCONT)
+            window["end"] = time.time()
+            return True
+
+        row = _run(f"Redis unreachable {outage:g} s (hung, default timeouts)", opts,
+                   at_step(2, action), reference, server)
+        if window and row.result is not None:
+            during = [e for e in row.events if e["type"] == "step"
+                      and window["start"] <= e["ts"] <= window["end"]]
+            after = [e for e in row.events if e["type"] == "step" and e["ts"] > window["start"]]
+            row.recover_s = round(after[0]["ts"] - window["start"], 2) if after else None
+            row.detail = {"steps_during_outage": len(during), "outage_s": outage}
+            if row.outcome.startswith("completed"):
+                row.outcome += (f"; {len(during)} steps trained while it was unreachable, "
+                                "their events sent once it answered")
+        return row
+    finally:
+        server.stop()
+
+
 def redis_restart(redis_url: str | None, pw: str | None, run_dir: Path, steps: int,
                   reference: dict[int, float] | None, outage: float = 0.0) -> Row:
     """A private persistent Redis restarted (``outage`` seconds down) after step 3."""
@@ -316,8 +492,13 @@ SCENARIOS = {
     "kill-leader": kill_leader,
     "preempt-during-migration": preempt_during_migration,
     "kill-receiver-mid-migration": kill_receiver_mid_migration,
+    "kill-sender-mid-migration": kill_sender_mid_migration,
+    "kill-leader-mid-migration": kill_leader_mid_migration,
+    "kill-during-rebuild": kill_during_rebuild,
+    "joiner-never-arrives": joiner_never_arrives,
     "redis-restart": redis_restart,
     "redis-outage": None,  # redis_restart with an outage, see main()
+    "redis-unreachable": None,  # redis_unreachable, see main()
     "lost-pieces": lost_pieces,
     "corrupt-message": None,
 }
@@ -347,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--only", default="", help="comma-separated scenario names")
     p.add_argument("--outage", type=float, default=4.0, help="redis-outage seconds")
+    p.add_argument("--unreachable", type=float, default=30.0,
+                   help="redis-unreachable seconds")
     p.add_argument("--run-dir", default=f"runs/fault-matrix-{os.getpid()}")
     p.add_argument("--json", action="store_true")
     p.add_argument("--rows", metavar="FILE",
@@ -381,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
                 row = redis_restart(None, None, d, args.steps, ref)
             elif name == "redis-outage":
                 row = redis_restart(None, None, d, args.steps, ref, outage=args.outage)
+            elif name == "redis-unreachable":
+                row = redis_unreachable(None, None, d, args.steps, ref,
+                                        outage=args.unreachable)
             else:
                 row = SCENARIOS[name](url, pw, d, args.steps, ref)  # type: ignore[misc]
             rows.append(row)

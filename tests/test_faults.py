@@ -25,9 +25,12 @@ import pytest
 from etcslurm.core.models import GPTSpec
 from etcslurm.runtime.generation import RunSettings, first_generation, next_generation
 from etcslurm.runtime.launcher import LOSS_TOLERANCE
+from tests.helpers import pids_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
+#: the reference covers the longest scenario (the mid-migration ones run 12 steps)
+REFERENCE_STEPS = 12
 
 
 def _load_matrix() -> ModuleType:
@@ -54,7 +57,7 @@ class _Reference:
 
     def _run(self, redis_url: str, run_dir: Path) -> None:
         try:
-            self.losses = fm.reference_losses(redis_url, None, run_dir, STEPS)
+            self.losses = fm.reference_losses(redis_url, None, run_dir, REFERENCE_STEPS)
         except BaseException as exc:  # reported by get()
             self.error = exc
 
@@ -62,7 +65,8 @@ class _Reference:
         self.thread.join(timeout)
         assert not self.thread.is_alive(), f"reference run not done within {timeout} s"
         assert self.error is None, self.error
-        assert self.losses is not None and sorted(self.losses) == list(range(1, STEPS + 1))
+        assert self.losses is not None
+        assert sorted(self.losses) == list(range(1, REFERENCE_STEPS + 1))
         return self.losses
 
 
@@ -88,15 +92,6 @@ def _measured(row: Any, reference: _Reference | None = None) -> Any:
     return row
 
 
-def _pids_alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
-    return alive
 
 
 def _types(row) -> list[str]:
@@ -123,7 +118,7 @@ def _assert_recovered_from_replicas(row) -> None:
     # detected and rebuilt within the bounds (dead_after / collective_timeout + rebuild)
     bound = fm.DEAD_AFTER * 2 + fm.COLLECTIVE_TIMEOUT + 60
     assert row.recover_s is not None and 0 < row.recover_s < bound, row.recover_s
-    assert _pids_alive(res.pids) == []
+    assert pids_alive(res.pids) == []
 
 
 @pytest.mark.slow
@@ -190,14 +185,113 @@ def test_sigkill_of_a_receiver_mid_migration_falls_back_to_the_old_state(
     errors = [e["data"].get("message", "") for e in row.events if e["type"] == "error"]
     assert any("migration to generation 1 failed" in m for m in errors), errors
     assert row.bytes_lost == 0
-    assert _pids_alive(res.pids) == []
+    assert pids_alive(res.pids) == []
+
+
+def _kinds(row) -> list[tuple[str, str | None, str]]:
+    return [(g["kind"], g["from"], g["to"]) for _, g in sorted(row.records.items())]
+
+
+def _errors(row) -> list[str]:
+    return [e["data"].get("message", "") for e in row.events if e["type"] == "error"]
+
+
+def _assert_completed(row, steps: int) -> None:
+    res = row.result
+    assert row.error is None, row.error
+    assert res is not None and sorted(res.losses) == list(range(1, steps + 1))
+    assert row.max_loss_diff is not None and row.max_loss_diff <= LOSS_TOLERANCE, row.max_loss_diff
+    assert row.bytes_lost == 0
+    assert pids_alive(res.pids) == []
 
 
 @pytest.mark.slow
 @pytest.mark.redis
-@pytest.mark.parametrize("outage", [0.0, 3.0])
-def test_redis_restart_and_outage_mid_run(outage: float, redis_url: str,
-                                          reference: _Reference, tmp_path: Path) -> None:
+@pytest.mark.parametrize("who", ["sender", "leader"])
+def test_sigkill_of_a_sender_mid_transfer_replans_from_the_old_state(
+        who: str, redis_url: str, reference: _Reference, tmp_path: Path) -> None:
+    """A joiner is receiving its replica in several rounds; a rank that has already sent
+    part of its share is killed (rank 2, or rank 0, the one that publishes): the
+    exchange fails everywhere, nothing was applied, the change is planned again from the
+    old state without the dead and the joiner is taken in by that plan."""
+    scenario = fm.kill_sender_mid_migration if who == "sender" else fm.kill_leader_mid_migration
+    row = _measured(scenario(redis_url, None, tmp_path, STEPS, None), reference)
+    _assert_completed(row, 12)
+    gens = [row.records[g] for g in sorted(row.records)]
+    assert _kinds(row)[:3] == [("start", None, "tp1pp1dp3"), ("resize", "tp1pp1dp3", "tp1pp1dp4"),
+                               ("resize", "tp1pp1dp3", "tp1pp1dp3")], _kinds(row)
+    victim = row.detail["worker"]
+    ranks = {a["rank"]: a["worker"] for a in gens[0]["assignment"]}
+    assert victim == ranks[0 if who == "leader" else 2]
+    assert row.detail["sent"] > 0, row.detail  # it had sent bytes when it died
+    assert gens[1]["plan_stats"]["rounds"] > 1  # ... in a transfer of several rounds
+    assert gens[2]["dead"] == [victim] and gens[2]["joining"] == gens[1]["joining"]
+    assert row.result.exit_codes[victim] == -9
+    assert all(c == 0 for w, c in row.result.exit_codes.items() if w != victim)
+    assert any("migration to generation 1 failed" in m for m in _errors(row)), _errors(row)
+    if who == "leader":  # another rank took over publishing
+        assert {a["rank"]: a["worker"] for a in gens[2]["assignment"]}[0] != victim
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_sigkill_while_the_new_world_forms_falls_back_to_the_old_state(
+        redis_url: str, reference: _Reference, tmp_path: Path) -> None:
+    """After the exchange, before anyone committed the new generation (the leaver is
+    still there): a new member dies; everyone returns to the old generation's state and
+    the change is planned again from it, the leaver handing its state over again."""
+    row = _measured(fm.kill_during_rebuild(redis_url, None, tmp_path, STEPS, None), reference)
+    _assert_completed(row, 8)
+    gens = [row.records[g] for g in sorted(row.records)]
+    assert _kinds(row) == [("start", None, "tp1pp1dp4"), ("resize", "tp1pp1dp4", "tp1pp1dp3"),
+                           ("resize", "tp1pp1dp4", "tp1pp1dp2")], _kinds(row)
+    leaver = gens[1]["leaving"][0]
+    victim = gens[2]["dead"][0]
+    assert gens[2]["leaving"] == [leaver] and victim != leaver
+    assert row.result.exit_codes[victim] == -9
+    assert all(c == 0 for w, c in row.result.exit_codes.items() if w != victim)
+    assert any("new world of generation 1 failed to form" in m for m in _errors(row))
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_a_joiner_that_never_arrives_is_dropped_and_the_change_replanned(
+        redis_url: str, reference: _Reference, tmp_path: Path) -> None:
+    row = _measured(fm.joiner_never_arrives(redis_url, None, tmp_path, STEPS, None), reference)
+    _assert_completed(row, 12)
+    gens = [row.records[g] for g in sorted(row.records)]
+    stalled = row.detail["stalled"][0]
+    assert gens[1]["joining"] == [stalled]
+    assert stalled not in gens[2]["union"] and gens[2]["world"] == 3
+    gone = [e["data"]["worker"] for e in row.events if e["type"] == "worker.gone"]
+    assert gone == [stalled]
+    # let go afterwards, it found itself out of the run and exited cleanly
+    assert all(c == 0 for c in row.result.exit_codes.values()), row.result.exit_codes
+    assert row.recover_s is not None
+    assert row.recover_s < fm.DEAD_AFTER * 2 + fm.COLLECTIVE_TIMEOUT + 60
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_training_goes_on_while_redis_is_unreachable_for_30_s(
+        reference: _Reference, tmp_path: Path) -> None:
+    """Redis hung for 30 s (longer than ``dead_after`` and ``collective_timeout``, which
+    keep their 10 s defaults): no step waits for it, nobody is taken for dead, and the
+    events of the steps trained meanwhile arrive once it answers."""
+    row = _measured(fm.redis_unreachable(None, None, tmp_path, STEPS, None, outage=30.0),
+                    reference)
+    _assert_completed(row, 12)
+    assert _kinds(row) == [("start", None, "tp1pp1dp3")]  # no resize, nobody lost
+    assert row.detail["steps_during_outage"] >= 3, row.detail
+    assert row.recover_s is not None and row.recover_s < 10, row.recover_s
+    assert all(code == 0 for code in row.result.exit_codes.values())
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+@pytest.mark.parametrize("outage", [0.0])
+def test_redis_restart_mid_run(outage: float, redis_url: str,
+                               reference: _Reference, tmp_path: Path) -> None:
     row = _measured(fm.redis_restart(None, None, tmp_path, STEPS, None, outage=outage),
                    reference)
     res = row.result

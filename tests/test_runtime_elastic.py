@@ -4,13 +4,13 @@ real megatron-core training on gloo, compared with a run that never resized."""
 from __future__ import annotations
 
 import json
-import os
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 from etcslurm.runtime.launcher import LOSS_TOLERANCE, DemoOptions, run_demo
+from tests.helpers import pids_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(1200)]
 
@@ -30,15 +30,6 @@ def _data_positions(run_dir: Path, steps: int, global_batch: int) -> None:
         assert covered == list(range(step * global_batch, (step + 1) * global_batch)), step
 
 
-def _pids_alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
-    return alive
 
 
 def test_leave_join_leave_matches_reference(redis_url: str, run_id: str, tmp_path: Path) -> None:
@@ -61,7 +52,7 @@ def test_leave_join_leave_matches_reference(redis_url: str, run_id: str, tmp_pat
     # leavers exit 0 after handing over; the finishers exit 0
     assert all(code == 0 for code in result.exit_codes.values()), result.exit_codes
     _data_positions(tmp_path, steps, gb)
-    assert _pids_alive(result.pids) == [], "no worker process may outlive the run"
+    assert pids_alive(result.pids) == [], "no worker process may outlive the run"
     assert result.keys_left >= 0  # keys given a TTL: they expire, checked below
     import redis
 

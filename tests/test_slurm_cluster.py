@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,27 +18,16 @@ import pytest
 from etcslurm.cli import main as cli_main
 from etcslurm.slurm import probe
 from etcslurm.slurm.submission import submit
+from tests.helpers import job_state, sh, wait_for
 
 pytestmark = pytest.mark.slurm
 SLURM_TIMER = 30.0  # slurmctld checks signals/time limits/grace every 30 s
 
 
-def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.2) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def sh(*cmd: str) -> str:
-    return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
 
 
-def job_state(job_id: str) -> str:
-    return sh("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T").split("\n")[0]
 
 
 def reports(out: Path, n: int, timeout: float = 90) -> list[dict[str, Any]]:

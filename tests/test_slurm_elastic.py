@@ -16,6 +16,7 @@ shared cores: a 2-layer GPT, few steps, global batch 12.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -34,6 +35,8 @@ from etcslurm.core.models import GPTSpec
 from etcslurm.runtime.launcher import LOSS_TOLERANCE, DemoOptions, run_demo
 from etcslurm.runtime.session import SessionConfig
 from etcslurm.slurm.submission import grow, submit
+from tests.helpers import job_state, sh
+from tests.helpers import wait_for as _wait_for
 
 # the runs train real models on 2 shared cores: allow more than the default 600 s
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -59,22 +62,13 @@ WORKER_CMD = f"{sys.executable} -m {WORKER_MODULE} " + " ".join(WORKER_ARGS)
 
 
 # ---------------------------------------------------------------------------- helpers
-def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.5) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+#: squeue/scontrol are polled every 0.5 s here (long waits on a 2-core host)
+wait_for = functools.partial(_wait_for, every=0.5)
 
 
-def sh(*cmd: str) -> str:
-    return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
 
 
-def job_state(job_id: str) -> str:
-    return sh("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T").split("\n")[0]
+
 
 
 def preempt_node(node: str, out: Path) -> str:

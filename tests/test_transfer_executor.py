@@ -66,6 +66,16 @@ def test_ten_migrations_leak_nothing(selftest: list[dict]) -> None:
         assert usage[-1]["rss_bytes"] - usage[1]["rss_bytes"] < 16 << 20
 
 
+def test_received_buffers_can_be_kept_instead_of_unpacked(selftest: list[dict]) -> None:
+    """``needed=None``: received slices are handed back as views of their verified
+    buffers (no unpack copy); the arena only stages this device's sends."""
+    for r in selftest:
+        assert r["kept_exact"] is True
+        assert 0 < r["kept_staging"] < r["stats"]["peak_staging_bytes"]
+        assert r["kept_sent_bytes"] == r["stats"]["bytes_sent"]
+        assert "received" not in r["kept_json_keys"]
+
+
 def test_staging_cap_is_enforced_before_anything_moves() -> None:
     messages, local = synthetic_plan(N)
     need = staging_bytes_per_round(messages, "0")

@@ -8,7 +8,7 @@ Phases (generations on the launcher's long-lived store):
    save first (its writer processes' one-off start-up cost, reported apart), then the
    timed saves.
 1. **union world** (old devices + joiners): every rank replays the same plan, then the
-   executor moves the state into receive buffers (one per needed piece), ``repeat`` times.
+   executor moves the state into receive buffers (one per message, kept), ``repeat`` times.
    Leaving and idle devices are done after this and exit.
 2. **new world** (new ranks only): model B is built and loaded from the checkpoint
    (timed), checked bit for bit against the P2P buffers and the pre-migration dump, then
@@ -67,14 +67,13 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def migrate(ctx: WorkerContext) -> dict[str, Any]:
     """The worker target (see the module docstring)."""
-    from etcslurm.megatron import cpu_shim, parallel
+    from etcslurm.megatron import cpu_shim
 
     n_old = ParallelConfig.parse(ctx.config["from"]).world_size
     index = ctx.index
     device = str(index) if index < n_old else f"join:{index - n_old}"
     out: dict[str, Any] = {"device": device}
     cpu_shim.install_if_needed()
-    groups.register_teardown_hook(parallel.teardown)
     from etcslurm.baseline.checkpoint import CheckpointMigrator
 
     baseline = CheckpointMigrator(async_writer=bool(ctx.config.get("async_checkpoint", True)))
@@ -185,19 +184,15 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
     )
     out["plan_seconds"] = plan_seconds
     new_rank = plan.assignment.index(device) if device in plan.assignment else None
-    # Receive buffers only for slices that arrive from other devices; slices this device
-    # already holds go straight from the old model into the new one at restore time (one
-    # copy instead of two), as the runtime does.
-    needed: list[tuple[Piece, torch.Tensor]] = [
-        (piece, torch.empty(piece.shape, dtype=getattr(torch, piece.dtype)))
-        for m in plan.messages if m.dst == device and m.src != device for piece in m.slices
-    ]
+    # Slices that arrive from other devices stay in their verified receive buffers, and
+    # slices this device already holds stay in the old model: both are copied once,
+    # straight into the new model at restore time, as the runtime does.
     local_slices = list(plan.local.get(device, [])) if new_rank is not None else []
     p2p_times, stats = [], None
     for rep in range(repeat):
-        def run(rep: int = rep, held: Any = held, needed: Any = needed) -> Any:
+        def run(rep: int = rep, held: Any = held) -> Any:
             return execute(
-                plan.messages, [], device, ranks, held, needed,
+                plan.messages, [], device, ranks, held, None,
                 staging_cap=int(c["staging_bytes"]),
                 timeout=timeout,
                 progress=lambda info, rep=rep: progress("p2p", repeat=rep, **info),
@@ -207,6 +202,7 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         p2p_times.append(seconds)
     out["exchange_seconds"] = p2p_times
     out["transfer"] = stats.to_json() if stats is not None else None
+    received = stats.received if stats is not None else []
     out["plan_stats"] = plan.stats
     out["new_rank"] = new_rank
     if new_rank is None:  # leaving or idle: pieces handed over, done
@@ -252,7 +248,7 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
     # P2P path: build, restore local slices (old model) + received slices (timed)
     p2p_model = build_gpt(spec, new, optimizer, seed, hyper=hyper)
     restore_s, copied = _timed_barrier_max(
-        lambda m=p2p_model: _restore(m, local_slices, old_views, needed, local_state))
+        lambda m=p2p_model: _restore(m, local_slices, old_views, received, local_state))
     restore_scalars(p2p_model, scalars)
     out["restore_seconds"] = restore_s
     p2p_live = local_state(p2p_model)
@@ -267,7 +263,7 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         out["p2p_equals_pre_migration"] = not bad
         out["mismatch_p2p_vs_pre_migration"] = [p.to_json() for p in bad[:5]]
     # the old state is no longer needed on this device
-    held, trainee, state, old_views, needed = [], None, None, None, []
+    held, trainee, state, old_views, received, stats = [], None, None, None, [], None
     p2p_live = None
     gc.collect()
     losses_p2p = []

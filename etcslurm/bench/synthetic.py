@@ -153,6 +153,18 @@ def executor_selftest(ctx: WorkerContext) -> dict[str, Any]:
     execute(messages, local[dev], dev, ranks, held, needed, timeout=30)
     out["exact_after_abort"] = _check(needed)
     groups.teardown()
+    # 4. received buffers kept (needed=None): every remote slice comes back as a view of
+    #    its verified buffer, exactly once, with the right bytes; only sends are staged
+    groups.configure(ctx.store, gen + 1, me, n, "gloo", timeout=30)
+    held, _ = _holdings(me, n)
+    kept = execute(messages, [], dev, ranks, held, None, timeout=30)
+    remote = [p for s in range(n) if s != me for p in needed_pieces(s, me, n)]
+    out["kept_exact"] = (sorted(p for p, _ in kept.received) == sorted(remote)
+                         and _check(kept.received))
+    out["kept_staging"] = kept.peak_staging_bytes
+    out["kept_sent_bytes"] = kept.bytes_sent
+    out["kept_json_keys"] = sorted(kept.to_json())
+    groups.teardown()
     return out
 
 

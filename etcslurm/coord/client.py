@@ -129,8 +129,9 @@ class CoordClient:
                     raise CoordinatorError(_describe(exc, self.url)) from None
                 left = end - time.monotonic()
                 if left <= 0:
+                    span = f"unreachable for {limit:.0f} s" if limit >= 1 else "did not answer"
                     raise CoordinatorError(
-                        f"coordinator at {self.url} unreachable for {limit:.0f} s during "
+                        f"coordinator at {self.url} {span} during "
                         f"{what}: {str(exc).strip() or type(exc).__name__}"
                     ) from None
                 time.sleep(min(delay * (1 + random.random() * 0.2), left))

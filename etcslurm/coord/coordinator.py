@@ -380,14 +380,18 @@ class Coordinator:
         self.client.call("mark gone", lambda r: r.transaction(tx, key))
         self.emit("worker.gone", worker=worker_id, reason=reason)
 
-    def members(self) -> dict[str, dict[str, Any]]:
-        """All workers ever registered: info + ``alive`` (heartbeat key present)."""
-        workers = self._workers_raw()
+    def members(self, deadline: float | None = None) -> dict[str, dict[str, Any]]:
+        """All workers ever registered: info + ``alive`` (heartbeat key present).
+
+        ``deadline``: seconds to retry an outage (default: the client's ``retry_deadline``).
+        """
+        workers = self._workers_raw(deadline)
         ids = list(workers)
         if ids:
             alive = self.client.call(
                 "read heartbeats",
                 lambda r: _pipeline_exists(r, [self.keys.hb(w) for w in ids]),
+                deadline,
             )
             for wid, ok in zip(ids, alive, strict=True):
                 workers[wid]["alive"] = bool(ok)
@@ -620,11 +624,14 @@ class Coordinator:
             self.client.call("take changes", lambda r: r.ltrim(self.keys.changes, count, -1))
 
     # ------------------------------------------------------------------ events, status
-    def emit(self, type: str, **data: Any) -> str:
+    def emit(self, type: str, *, at_ts: float | None = None, retry_s: float | None = None,
+             **data: Any) -> str:
         """Append an event to the run's ``events`` stream; returns its stream id.
 
         After :meth:`end_run` nothing is written (returns ``""``), so exiting workers do
-        not re-create the run's keys.
+        not re-create the run's keys.  ``at_ts``: when it happened (default now; events
+        kept through an outage are sent later with their own time); ``retry_s``: seconds
+        to retry an outage (default the client's ``retry_deadline``).
 
         Fields: ``type``, ``ts`` (unix seconds), ``worker`` (id or ``operator``), ``data``
         (JSON).  The stream is capped at about ``max_events`` entries.
@@ -633,7 +640,7 @@ class Coordinator:
             raise UsageError(f"invalid event type {type!r} (lowercase dotted, e.g. migration.done)")
         fields = {
             "type": type,
-            "ts": f"{time.time():.6f}",
+            "ts": f"{time.time() if at_ts is None else at_ts:.6f}",
             "worker": self.worker_id or "operator",
             "data": dumps(data, f"{self.keys.events} {type}", self.max_value_bytes),
         }
@@ -642,6 +649,7 @@ class Coordinator:
             f"emit {type}",
             lambda r: self._xadd_live(keys=[self.keys.events, self.keys.ended],
                                       args=[self.max_events, *flat]),
+            retry_s,
         )
         if eid is None:  # the run has ended: events are no longer recorded
             self.ended = True

@@ -5,7 +5,7 @@ Lifecycle of a migration in the same processes (P2P path)::
 
     old = local_state(trainee)            # pieces + views of the OLD live storage
     scalars = extract_scalars(trainee)    # JSON, sent from one source
-    rebuild_parallel(new_cfg, rank, world, store, generation + 1)
+    init_parallel(new_cfg, rank, world, store, generation + 1)
     fresh = build_empty(spec, new_cfg, optimizer=...)     # same shapes, values overwritten
     new = local_state(fresh)              # views of the NEW storage to write into
     ... executor copies/sends old views → new views per the plan ...
@@ -40,7 +40,6 @@ from etcslurm.megatron.parallel import (
     init_parallel,
     init_world,
     megatron_groups,
-    rebuild_parallel,
     teardown,
 )
 from etcslurm.megatron.scalars import extract_scalars, restore_scalars
@@ -68,7 +67,6 @@ __all__ = [
     "megatron_groups",
     "num_microbatches",
     "padded_vocab",
-    "rebuild_parallel",
     "restore_scalars",
     "sample",
     "teardown",

@@ -10,16 +10,14 @@ long-lived store (e.g. the coordinator's Redis store or a ``TCPStore``), so keys
 old generation can never be mistaken for the new one.  Subgroups are created with all
 ranks participating (``use_local_synchronization=True`` can hang in gloo).
 
-The transfer engineer's ``etcslurm/transfer/groups.py`` builds the union world used while
-state moves; it calls :func:`init_world`/:func:`teardown` from here so there is one
-lifecycle implementation.
+Worlds are started and torn down by ``etcslurm/transfer/groups.py`` (also used for the
+union world while state moves); :func:`teardown` is registered there as a teardown hook,
+so there is one lifecycle implementation.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
-import os
 import time
 
 import torch
@@ -28,6 +26,7 @@ import torch.distributed as dist
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.errors import LayoutError
 from etcslurm.megatron import cpu_shim
+from etcslurm.transfer import groups
 
 log = logging.getLogger(__name__)
 
@@ -44,30 +43,20 @@ def init_world(
     rank: int,
     world_size: int,
     store: dist.Store,
-    generation: int,
+    generation: int | str,
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> float:
     """Start the default process group of ``generation``; returns the seconds it took.
 
-    Tears down any previous world first (megatron groups included).
+    The one lifecycle of :mod:`etcslurm.transfer.groups` (whose teardown runs
+    :func:`teardown` below first, so megatron's groups of the old layout go too).
     """
     if not 0 <= rank < world_size:
         raise LayoutError(f"rank {rank} is outside a world of {world_size}")
-    teardown()
     t0 = time.perf_counter()
-    backend = backend or default_backend()
-    if backend == "nccl" and torch.cuda.is_available():
-        # one GPU per process: LOCAL_RANK (torchrun/srun wrappers) or rank modulo GPUs
-        local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID")
-        torch.cuda.set_device(int(local) if local else rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend=backend,
-        store=dist.PrefixStore(f"gen{generation}", store),
-        rank=rank,
-        world_size=world_size,
-        timeout=_dt.timedelta(seconds=timeout_s),
-    )
+    groups.configure(store, generation, rank, world_size, backend or default_backend(),
+                     timeout=timeout_s)
     return time.perf_counter() - t0
 
 
@@ -98,7 +87,7 @@ def init_parallel(
     rank: int,
     world_size: int,
     store: dist.Store,
-    generation: int,
+    generation: int | str,
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> float:
@@ -113,20 +102,6 @@ def init_parallel(
     init_world(rank, world_size, store, generation, backend, timeout_s)
     init_model_parallel(config, timeout_s)
     return time.perf_counter() - t0
-
-
-def rebuild_parallel(
-    config: ParallelConfig,
-    rank: int,
-    world_size: int,
-    store: dist.Store,
-    generation: int,
-    backend: str | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> float:
-    """Tear the current world down and start ``config`` in the same process (``generation``
-    must be new: its store prefix must not have been used)."""
-    return init_parallel(config, rank, world_size, store, generation, backend, timeout_s)
 
 
 def megatron_groups() -> list[dist.ProcessGroup]:
@@ -163,3 +138,6 @@ def teardown() -> float:
     if dist.is_initialized():
         dist.destroy_process_group()
     return time.perf_counter() - t0
+
+
+groups.register_teardown_hook(teardown)

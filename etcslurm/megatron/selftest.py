@@ -83,7 +83,7 @@ def scenario_migrate(args: argparse.Namespace, store: Any) -> dict[str, Any]:
         dst = ParallelConfig.parse(text)
         gen += 1
         entry: dict[str, Any] = {"to": str(dst)}
-        entry["rebuild_s"] = adapter.rebuild_parallel(dst, args.rank, args.world, store, gen)
+        entry["rebuild_s"] = adapter.init_parallel(dst, args.rank, args.world, store, gen)
         fresh = adapter.build_empty(
             spec, dst, args.optimizer, seed=args.seed + 1, dtype=dtype, hyper=hyper
         )
@@ -99,7 +99,7 @@ def scenario_migrate(args: argparse.Namespace, store: Any) -> dict[str, Any]:
         del fresh
     if args.reference:
         gen += 1
-        adapter.rebuild_parallel(src, args.rank, args.world, store, gen)
+        adapter.init_parallel(src, args.rank, args.world, store, gen)
         ref = adapter.build_gpt(spec, src, args.optimizer, seed=args.seed, dtype=dtype, hyper=hyper)
         steps = args.steps_before + args.steps_after
         result["reference_losses"] = [adapter.train_step(ref) for _ in range(steps)]
@@ -125,7 +125,7 @@ def scenario_selfcopy(args: argparse.Namespace, store: Any) -> dict[str, Any]:
     held = adapter.local_state(old)
     doc = json.loads(json.dumps(adapter.extract_scalars(old)))
     # a new generation in the same processes; the old views stay valid
-    adapter.rebuild_parallel(cfg, args.rank, args.world, store, 1)
+    adapter.init_parallel(cfg, args.rank, args.world, store, 1)
     fresh = adapter.build_empty(spec, cfg, args.optimizer, seed=args.seed + 7, hyper=hyper)
     new = adapter.local_state(fresh)
     same_pieces = new.pieces == held.pieces
@@ -171,7 +171,7 @@ def scenario_rebuild(args: argparse.Namespace, store: Any) -> dict[str, Any]:
     rows = []
     for gen in range(1, args.rebuilds + 1):
         cfg = layouts[(gen - 1) % len(layouts)]
-        seconds = adapter.rebuild_parallel(cfg, args.rank, args.world, store, gen)
+        seconds = adapter.init_parallel(cfg, args.rank, args.world, store, gen)
         from megatron.core import parallel_state
 
         probe = torch.ones(1)

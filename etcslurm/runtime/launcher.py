@@ -55,7 +55,9 @@ class DemoOptions:
     collective_timeout: float = 10.0
     timeout: float = 600.0
     keep_keys_s: float = 60.0
-    migration_delay: float = 0.0  # fault tests: workers pause this long inside a migration
+    migration_delay: float = 0.0  # fault tests: workers pause after a migration's 1st round
+    rebuild_delay: float = 0.0  # fault tests: new members pause before the new world forms
+    staging_mb: float | None = None  # the workers' staging cap (default theirs: 512 MiB)
     min_step_seconds: float = 0.0  # fault tests: pace the steps so joiners arrive in time
 
 
@@ -143,6 +145,9 @@ class LocalRun:
         self.result = DemoResult(run_id, str(run_dir), opts.steps)
         self._joined_nodes = 0
         self.kill_joiners = 0
+        #: migration.progress / migration.rebuild events, for fault hooks that must strike
+        #: at a given point of a migration
+        self.migration_events: list[dict[str, Any]] = []
 
     def spawn(self, node: str) -> WorkerProc:
         index = len(self.procs)
@@ -151,6 +156,10 @@ class LocalRun:
         env.update(ETCSLURM_NODE=node, PYTHONUNBUFFERED="1")
         if self.opts.migration_delay:
             env["ETCSLURM_TEST_MIGRATION_DELAY"] = str(self.opts.migration_delay)
+        if self.opts.rebuild_delay:
+            env["ETCSLURM_TEST_REBUILD_DELAY"] = str(self.opts.rebuild_delay)
+        if self.opts.staging_mb:
+            env["ETCSLURM_STAGING_MB"] = str(self.opts.staging_mb)
         if self.opts.min_step_seconds:
             env["ETCSLURM_MIN_STEP_SECONDS"] = str(self.opts.min_step_seconds)
         cmd = [
@@ -250,6 +259,8 @@ class LocalRun:
                     "moved_bytes": (rec.get("plan_stats") or {}).get("moved_bytes"),
                     "reason": rec.get("layout_reason") or rec.get("reason"),
                 })
+            elif kind in ("migration.progress", "migration.rebuild"):
+                self.migration_events.append(ev)
             elif kind == "migration.done":
                 self.result.migrations.append({
                     k: data.get(k) for k in ("gen", "from", "to", "seconds", "moved_bytes",

@@ -172,6 +172,11 @@ class ElasticSession:
         self._step_started = time.perf_counter()
         self._change_started: float | None = None
         self._data_log: Any = None
+        self._held: list[tuple[Any, torch.Tensor]] | None = None
+        self._held_scalars: dict[str, Any] | None = None
+        self._backlog: list[tuple[float, str, dict[str, Any]]] = []
+        self._dropped_events = 0
+        self._coord_failed_at: float | None = None
         self.exit_reason = "finished"
 
     # ------------------------------------------------------------------ lifecycle
@@ -227,6 +232,8 @@ class ElasticSession:
             self._trap = None
         if self.coord is not None:
             with contextlib.suppress(Exception):
+                if self._backlog:  # events kept through an outage: a last, bounded try
+                    self._flush_backlog(retry_s=5)
                 self.coord.close(state)
             self.coord = None
         if self._data_log is not None:
@@ -284,7 +291,7 @@ class ElasticSession:
         step = self.step_index
         elapsed = max(time.perf_counter() - self._step_started, 1e-9)
         if self.rank == 0:
-            self.coord.emit(
+            self._emit_soft(
                 "step", gen=self.record["generation"], step=step, loss=float(loss),
                 tokens_per_s=cfg.global_batch * cfg.spec.seq / elapsed,
             )
@@ -293,6 +300,7 @@ class ElasticSession:
             self.finished = True
             self.exit_reason = "finished"
             if self.rank == 0:  # standbys and late joiners waiting for a generation: go home
+                self._flush_backlog(retry_s=None)
                 cur = self.record
                 self.coord.publish_generation({
                     "generation": int(cur["generation"]) + 1, "kind": "end", "step": step,
@@ -310,29 +318,80 @@ class ElasticSession:
     def _boundary_change(self) -> bool:
         """All ranks agree (one all-reduce) whether to change the world now."""
         assert self.coord is not None and self.record is not None
-        if self.signalled and not self._leaving_announced:
+        if self.signalled and not self._leaving_announced and self._coordinator_reachable():
             ev = self._signal_event
             budget = ev.budget if ev.budget is not None else self.cfg.leave_budget
-            self.coord.emit("worker.signal", worker=self.worker_id, node=self.cfg.node,
-                            signal=ev.signal, budget_s=budget, received_at=ev.received_at)
-            self.coord.leave(within=budget, reason=f"SIG{ev.signal}")
-            self._leaving_announced = True
-        flag = 1 if self.signalled else 0
-        if self.rank == 0 and not flag:
+            try:  # one try: peers wait in the all-reduce below meanwhile
+                self.coord.emit("worker.signal", worker=self.worker_id, node=self.cfg.node,
+                                signal=ev.signal, budget_s=budget, received_at=ev.received_at,
+                                retry_s=0)
+                self.coord.leave(within=budget, reason=f"SIG{ev.signal}")
+                self._leaving_announced = True
+            except EtcslurmError as exc:  # coordinator down: train on, announce next boundary
+                self._coordinator_failed(exc)
+        flag = 1 if self._leaving_announced else 0
+        if self.rank == 0 and not flag and self._coordinator_reachable():
             now = time.monotonic()
             if now - self._last_poll >= 0.25:
                 self._last_poll = now
-                flag = 1 if self._leader_sees_change() else 0
+                try:
+                    flag = 1 if self._leader_sees_change() else 0
+                except EtcslurmError as exc:
+                    self._coordinator_failed(exc)
         t = torch.tensor([flag], dtype=torch.int64)
         dist.all_reduce(t)
         return bool(t.item())
 
     def _leader_sees_change(self) -> bool:
         assert self.coord is not None and self.record is not None
-        leaving, _dead, ready, _nodes = self._world_view()
+        leaving, _dead, ready, _nodes = self._world_view(deadline=0)
         return worth_changing(self.settings, self.record, leaving=leaving, dead=[], ready=ready)
 
-    def _world_view(self) -> tuple[list[str], list[str], list[str], dict[str, str]]:
+    # ------------------------------------------------------------------ coordinator outages
+    # Training needs the coordinator only to change the world.  While it is unreachable
+    # (restart, network), steps go on: the boundary poll is skipped, a preemption signal is
+    # announced once it answers again, and events are kept in order, with their own time,
+    # and sent when it is back.  "Reachable" is judged by the heartbeat thread, so a step
+    # never waits for a socket timeout more than once per outage.
+    def _coordinator_reachable(self) -> bool:
+        assert self.coord is not None
+        if self.coord.last_beat_error is not None:
+            return False
+        return self._coord_failed_at is None or self.coord.last_beat_ok > self._coord_failed_at
+
+    def _coordinator_failed(self, exc: BaseException) -> None:
+        if self._coord_failed_at is None or self._coordinator_reachable():
+            log.warning("coordinator unreachable, training goes on: %s", str(exc)[:200])
+        self._coord_failed_at = time.monotonic()
+
+    def _emit_soft(self, type: str, **data: Any) -> None:
+        """An event from the training loop: kept and sent later if the coordinator is down."""
+        if len(self._backlog) >= 100_000:  # bounded: drop the oldest, say so once it is back
+            self._backlog.pop(0)
+            self._dropped_events += 1
+        self._backlog.append((time.time(), type, data))
+        if self._coordinator_reachable():
+            self._flush_backlog(retry_s=0)
+
+    def _flush_backlog(self, retry_s: float | None) -> None:
+        assert self.coord is not None
+        try:
+            if self._dropped_events:
+                self.coord.emit("error", worker=self.worker_id, retry_s=retry_s,
+                                message=f"{self._dropped_events} events dropped during a "
+                                        "coordinator outage")
+                self._dropped_events = 0
+            while self._backlog:
+                ts, type, data = self._backlog[0]
+                self.coord.emit(type, at_ts=ts, retry_s=retry_s, **data)
+                self._backlog.pop(0)
+        except EtcslurmError as exc:
+            if retry_s is None:
+                raise
+            self._coordinator_failed(exc)
+
+    def _world_view(self, deadline: float | None = None
+                    ) -> tuple[list[str], list[str], list[str], dict[str, str]]:
         """(leaving, dead, ready, nodes) as the coordinator sees them now.
 
         ``dead`` (heartbeat expired or marked gone) is only trusted after a failed
@@ -342,7 +401,7 @@ class ElasticSession:
         """
         assert self.coord is not None and self.record is not None
         world = [a["worker"] for a in self.record["assignment"]]
-        members = self.coord.members()
+        members = self.coord.members(deadline)
         leaving = [w for w in world if members.get(w, {}).get("state") == LEAVING]
         dead = [w for w in world if (w in members and not members[w].get("alive"))
                 or members.get(w, {}).get("state") == GONE or w not in members]
@@ -375,14 +434,11 @@ class ElasticSession:
 
     def _publish_next(self, step: int, reason: str, extra_dead: tuple[str, ...] = ()) -> None:
         assert self.coord is not None and self.record is not None
-        from etcslurm.megatron.scalars import extract_scalars
-
         leaving, _dead, ready, nodes = self._world_view()
         dead = sorted(extra_dead)  # see _world_view: only a failed collective proves death
         record, migration = next_generation(
             self.settings, self.record, leaving=leaving, dead=dead, ready=ready, nodes=nodes,
-            step=step, scalars=extract_scalars(self.trainee) if self.trainee else None,
-            reason=reason,
+            step=step, scalars=self._holdings()[1], reason=reason,
         )
         latest = self.coord.current_generation()
         if latest is not None:  # after a failed migration the failed record is the latest
@@ -516,9 +572,8 @@ class ElasticSession:
     def _enter_resize(self, record: dict[str, Any]) -> None:
         """The state exchange in the union world, then the new world's rebuild."""
         from etcslurm.core.planner import plan
-        from etcslurm.megatron.adapter import finish_restore, local_state
         from etcslurm.transfer import groups
-        from etcslurm.transfer.executor import ViewIndex, execute
+        from etcslurm.transfer.executor import execute
 
         assert self.coord is not None and self._store is not None
         cfg = self.cfg
@@ -537,16 +592,10 @@ class ElasticSession:
         union = record["union"]
         new_cfg = ParallelConfig.parse(record["to"])
         new_rank = self._my_rank(record)
-        held = local_state(self.trainee).items() if self.trainee is not None else []
-        # Receive buffers only for what arrives from others: slices this worker already
-        # holds are copied straight from the old model into the new one once it is built
-        # (one copy instead of two), so the old model stays alive until then.
-        from etcslurm.transfer.executor import torch_dtype
-
-        needed: list[tuple[Any, torch.Tensor]] = [
-            (piece, torch.empty(piece.shape, dtype=torch_dtype(piece.dtype)))
-            for m in migration.messages if m.dst == me and m.src != me for piece in m.slices
-        ]
+        held = self._holdings()[0]
+        # What arrives from others stays in its (verified) receive buffer and slices this
+        # worker already holds stay in the old model: both are copied once, straight into
+        # the new model when it is built, so the old model stays alive until then.
         local_slices = list(migration.local.get(me, [])) if new_rank is not None else []
         my_msgs = [m for m in migration.messages if me in (m.src, m.dst) and m.src != m.dst]
         total_send = sum(m.nbytes for m in my_msgs if m.src == me)
@@ -565,13 +614,10 @@ class ElasticSession:
         try:
             groups.configure(self._store, f"{gen}m", union.index(self.worker_id), len(union),
                              timeout=cfg.collective_timeout)
-            delay = float(os.environ.get("ETCSLURM_TEST_MIGRATION_DELAY", "0") or 0)
-            if delay > 0:  # fault tests: widen the window in which a peer can be killed
-                time.sleep(delay)
             stats = execute(
                 migration.messages, [], me, {ids[w]: i for i, w in enumerate(union)}, held,
-                needed, staging_cap=cfg.staging_bytes, timeout=cfg.collective_timeout,
-                progress=progress,
+                None, staging_cap=cfg.staging_bytes, timeout=cfg.collective_timeout,
+                progress=_test_delay_after_first_round(progress),
             )
         except (RuntimeError, dist.DistError, MigrationError, WaitTimeout) as exc:
             # a peer died mid-exchange: nothing was applied anywhere (the new model is
@@ -587,41 +633,46 @@ class ElasticSession:
         transfer_s = time.perf_counter() - t_x
         groups.teardown()
         old_layout = record["from"]
-        old_views = ViewIndex(held, "old model")
-        old_trainee, self.trainee = self.trainee, None
         if new_rank is None:
-            leaving = self.worker_id in record["leaving"]
+            # a leaver (or a worker no layout uses now): its state stays until the new world
+            # is committed, so that a failed rebuild can fall back to the old generation
             self.coord.emit("migration.progress", gen=gen, worker=self.worker_id, rank=None,
                             sent=total_send, recv=total_recv, total_send=total_send,
                             total_recv=total_recv)
-            if leaving:
+            newer = self._await_commit(record)
+            if newer is not None:
+                self._follow(newer)
+                return
+            self._held, self._held_scalars, self.trainee = None, None, None
+            if self.worker_id in record["leaving"]:
                 self.exit_reason = "left"
                 raise LeftRun(f"handed over {stats.bytes_sent} bytes and left")
-            # idle: no layout uses this worker now; wait as a standby
-            self.record = None
+            self.record = None  # idle: no layout uses this worker now; wait as a standby
             self._wait_to_join(after=gen)
             return
         t_r = time.perf_counter()
-        self.rank = new_rank
-        self._init_world(record, new_cfg)
-        self.trainee = self.build(cfg.spec, new_cfg, cfg)
-        live = local_state(self.trainee)
-        filled = sum(p.nbytes for p in local_slices) + sum(p.nbytes for p, _ in needed)
-        if filled != live.nbytes:
-            raise MigrationError(
-                f"generation {gen}: rank {new_rank} would get {filled} of the "
-                f"{live.nbytes} bytes its layout holds (the plan does not cover its state)"
-            )
-        fresh = ViewIndex(live.items(), "new model")
-        for piece in local_slices:
-            fresh.view(piece).copy_(old_views.view(piece))
-        for piece, tensor in needed:
-            fresh.view(piece).copy_(tensor)
-        del needed, old_views, held, old_trainee
-        finish_restore(self.trainee, record["scalars"])
+        old_rank, old_trainee = self.rank, self.trainee
+        try:
+            self._rebuild(record, new_rank, new_cfg, held, local_slices, stats.received)
+        except (RuntimeError, dist.DistError, WaitTimeout) as exc:
+            # a peer was lost while the new world formed: nobody has committed it, every
+            # old member still holds the old generation (leavers wait for the commit), so
+            # fall back to it and plan again without the dead
+            groups.abort()
+            self.rank, self.trainee = old_rank, old_trainee
+            self.coord.emit("error", worker=self.worker_id,
+                            message=f"new world of generation {gen} failed to form: "
+                                    f"{str(exc)[:160]}")
+            if self.record is None:
+                self._wait_to_join(after=gen)
+            else:
+                self._recover(exc, failed=record)
+            return
+        del stats.received[:], held, old_trainee
+        self._held, self._held_scalars = None, None
         rebuild_s = time.perf_counter() - t_r
         self.record = record
-        self.coord.set_state(ACTIVE, rank=self.rank, generation=gen)
+        self.coord.set_state(ACTIVE, rank=self.rank, generation=gen)  # the commit
         report = MigrationReport(
             gen, "resize", old_layout, record["to"], seconds=time.perf_counter() - t0,
             transfer_seconds=transfer_s, rebuild_seconds=rebuild_s,
@@ -629,7 +680,6 @@ class ElasticSession:
             local_bytes=int(migration.stats.get("local_bytes", 0)),
             sent_bytes=stats.bytes_sent, received_bytes=stats.bytes_received,
         )
-        dist.barrier()
         if self._change_started is not None:
             report.pause_seconds = time.perf_counter() - self._change_started
         self.reports.append(report)
@@ -642,6 +692,80 @@ class ElasticSession:
                 **{"from": old_layout, "to": record["to"]},
             )
         self._change_started = None
+
+    def _holdings(self) -> tuple[list[tuple[Any, torch.Tensor]], dict[str, Any] | None]:
+        """(views of every piece this worker holds, its scalars), taken once per change.
+
+        Kept, with the model, until the next generation is committed: a change that fails
+        is planned again from the same state, even after ``parallel_state`` (which
+        reading the model's sharded state needs) was torn down for the new layout.
+        """
+        from etcslurm.megatron.adapter import local_state
+        from etcslurm.megatron.scalars import extract_scalars
+
+        if self._held is None:
+            if self.trainee is None:
+                return [], None
+            self._held = local_state(self.trainee).items()
+            self._held_scalars = extract_scalars(self.trainee)
+        return self._held, self._held_scalars
+
+    def _rebuild(self, record: dict[str, Any], new_rank: int, new_cfg: ParallelConfig,
+                 held: list[tuple[Any, torch.Tensor]], local_slices: list[Any],
+                 received: list[tuple[Any, torch.Tensor]]) -> None:
+        """Form the new world, build the model for its layout and fill it: slices this
+        worker held are copied from the old model, the rest from the received buffers.
+        Ends with a barrier of the new world: past it, every new member is complete."""
+        from etcslurm.megatron.adapter import finish_restore, local_state
+        from etcslurm.transfer.executor import ViewIndex
+
+        gen = int(record["generation"])
+        assert self.coord is not None
+        self.coord.emit("migration.rebuild", gen=gen, worker=self.worker_id, rank=new_rank)
+        _test_delay("ETCSLURM_TEST_REBUILD_DELAY")
+        self.rank = new_rank
+        self._init_world(record, new_cfg)
+        self.trainee = self.build(self.cfg.spec, new_cfg, self.cfg)
+        live = local_state(self.trainee)
+        filled = sum(p.nbytes for p in local_slices) + sum(p.nbytes for p, _ in received)
+        if filled != live.nbytes:
+            raise MigrationError(
+                f"generation {gen}: rank {new_rank} would get {filled} of the "
+                f"{live.nbytes} bytes its layout holds (the plan does not cover its state)"
+            )
+        fresh = ViewIndex(live.items(), "new model")
+        old_views = ViewIndex(held, "old model")
+        for piece in local_slices:
+            fresh.view(piece).copy_(old_views.view(piece))
+        for piece, tensor in received:
+            fresh.view(piece).copy_(tensor)
+        finish_restore(self.trainee, record["scalars"])
+        dist.barrier()
+
+    def _await_commit(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        """A worker leaving the world waits until the new world has committed ``record``
+        (every new member reports it active in that generation); returns ``None`` then,
+        or a newer generation to follow when the change failed and was planned again.
+        Bounded by the time a failure takes to show (after that it leaves anyway)."""
+        assert self.coord is not None
+        gen = int(record["generation"])
+        members_of_new = [a["worker"] for a in record["assignment"]]
+        limit = self.cfg.dead_after * 2 + self.cfg.collective_timeout * 2 + 30
+        end = time.monotonic() + limit
+        while time.monotonic() < end:
+            latest = self.coord.current_generation()
+            if latest is not None and int(latest["generation"]) > gen:
+                if self.worker_id in latest.get("union", []) and latest["kind"] == "resize":
+                    return latest
+                return None  # planned without this worker (from the new state): done here
+            members = self.coord.members()
+            if all(members.get(w, {}).get("state") == ACTIVE
+                   and int(members.get(w, {}).get("generation", -1)) == gen
+                   for w in members_of_new):
+                return None
+            time.sleep(0.1)
+        log.warning("generation %s was not confirmed within %.0f s; leaving anyway", gen, limit)
+        return None
 
     def _checkpoint_and_leave(self, record: dict[str, Any]) -> None:
         """Nobody survives: save a checkpoint (all ranks of the old world) and leave."""
@@ -721,6 +845,7 @@ class ElasticSession:
         current = int((failed or self.record)["generation"])
         log.warning("step failed on %s (%s); recovering", self.worker_id, str(exc)[:200])
         self._change_started = time.perf_counter()
+        self._holdings()  # read while this layout's parallel_state is still there
         groups.abort()
         self.coord.emit("error", worker=self.worker_id, message=f"collective failed: {str(exc)[:200]}")
         world = [a["worker"] for a in self.record["assignment"]]
@@ -767,6 +892,25 @@ class ElasticSession:
             "dp": dp, "dp_rank": dp_rank, "start": start, "stop": start + per,
             "loss": loss, "worker": self.worker_id,
         }) + "\n")
+
+
+def _test_delay(variable: str) -> None:
+    """Fault tests only: pause where ``variable`` says, to widen the window in which a
+    peer can be killed (``ETCSLURM_TEST_MIGRATION_DELAY``: after the first round of the
+    state exchange; ``ETCSLURM_TEST_REBUILD_DELAY``: before the new world forms)."""
+    delay = float(os.environ.get(variable, "0") or 0)
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _test_delay_after_first_round(progress: Callable[[dict[str, Any]], None]
+                                  ) -> Callable[[dict[str, Any]], None]:
+    def wrapped(info: dict[str, Any]) -> None:
+        progress(info)
+        if info.get("round_index") == 0:
+            _test_delay("ETCSLURM_TEST_MIGRATION_DELAY")
+
+    return wrapped
 
 
 def run_worker(config: SessionConfig, train_step: Callable[[Any], float] | None = None) -> int:

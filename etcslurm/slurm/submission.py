@@ -117,16 +117,8 @@ def submit(
     run_id = run_id or new_run_id()
     parse_signal(signal)
     if via == "sbatch":
-        if not isinstance(worker, str):
-            raise UsageError("via='sbatch' needs the worker as a command line (worker_cmd)")
-        values: dict[str, object] = {
-            "run_id": run_id, "worker_cmd": worker, "nodes": 1 if split else nodes,
-            "tasks_per_node": tasks_per_node, "redis_url": redis_url or "",
-            "array": f"0-{nodes - 1}" if split else "",
-            "partition": partition or "", "time": time_limit, "signal": signal,
-            "signal_lead": signal_lead,
-        }
-        values.update(fields or {})
+        values = _template_values(run_id, worker, redis_url, nodes, tasks_per_node, split,
+                                  partition, time_limit, signal, signal_lead, fields)
         script = render("elastic", values)
         if dry_run:
             return Submitted(run_id, "", via, script=script)
@@ -183,15 +175,8 @@ def grow(
     if split and components:
         raise UsageError("split (array) and components (het job) cannot be combined")
     if via == "sbatch":
-        if not isinstance(worker, str):
-            raise UsageError("via='sbatch' needs the worker as a command line (worker_cmd)")
-        values: dict[str, object] = {
-            "run_id": run, "redis_url": redis_url, "worker_cmd": worker,
-            "nodes": 1 if split else nodes, "tasks_per_node": tasks_per_node,
-            "partition": partition or "", "time": time_limit, "signal": signal,
-            "signal_lead": signal_lead, "array": f"0-{nodes - 1}" if split else "",
-        }
-        values.update(fields or {})
+        values = _template_values(run, worker, redis_url, nodes, tasks_per_node, split,
+                                  partition, time_limit, signal, signal_lead, fields)
         script = render_het("grow", components, values) if components else render("grow", values)
         if dry_run:
             return Submitted(run, "", via, script=script)
@@ -211,6 +196,24 @@ def grow(
         job = ex.submit(task)
         return Submitted(run, str(job.job_id), via, job=job)
     raise UsageError(f"unknown via {via!r}; valid: sbatch, submitit")
+
+
+def _template_values(run_id: str, worker: str | Callable[..., Any], redis_url: str | None,
+                     nodes: int, tasks_per_node: int, split: bool, partition: str | None,
+                     time_limit: str | int, signal: str, signal_lead: int,
+                     fields: Mapping[str, object] | None) -> dict[str, object]:
+    """The fields ``elastic.sbatch`` and ``grow.sbatch`` share (``fields`` override)."""
+    if not isinstance(worker, str):
+        raise UsageError("via='sbatch' needs the worker as a command line (worker_cmd)")
+    values: dict[str, object] = {
+        "run_id": run_id, "worker_cmd": worker, "nodes": 1 if split else nodes,
+        "tasks_per_node": tasks_per_node, "redis_url": redis_url or "",
+        "array": f"0-{nodes - 1}" if split else "",
+        "partition": partition or "", "time": time_limit, "signal": signal,
+        "signal_lead": signal_lead,
+    }
+    values.update(fields or {})
+    return values
 
 
 # ---- Submitit --------------------------------------------------------------------------------

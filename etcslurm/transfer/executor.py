@@ -67,9 +67,14 @@ class TransferStats:
     unpack_seconds: float = 0.0
     local_seconds: float = 0.0
     per_round: list[dict[str, Any]] = field(default_factory=list)
+    #: with ``needed=None``: (piece, view into its verified receive buffer) of every
+    #: received slice -- the caller copies them where they belong (not in to_json)
+    received: list[tuple[Piece, torch.Tensor]] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out.pop("received")
+        return out
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -158,7 +163,7 @@ def execute(
     device: str,
     ranks: Mapping[str, int],
     held: Iterable[tuple[Piece, torch.Tensor]],
-    needed: Iterable[tuple[Piece, torch.Tensor]],
+    needed: Iterable[tuple[Piece, torch.Tensor]] | None,
     *,
     staging_cap: int | None = None,
     timeout: float = 60.0,
@@ -171,6 +176,10 @@ def execute(
     ``messages``: all messages of the plan (others' are ignored); ``local``: the slices this
     device copies from its own holdings; ``ranks``: device id -> rank in the exchange group;
     ``held``/``needed``: this device's (Piece, view) pairs (sources / destinations).
+    ``needed=None`` (no local slices then): each message is received into a buffer of
+    its own and, once verified, left there: ``stats.received`` lists a typed view per
+    slice, so a caller that has to copy the slices anyway (into a model built after the
+    exchange) saves the unpack copy; the arena then stages only the sends.
     ``staging_cap``: bytes; a round that needs more raises before anything moves.
     ``progress`` gets a dict per round (round, rounds, bytes_sent, bytes_received, ...).
     ``corrupt`` is a test hook applied to each received buffer before verification.
@@ -178,8 +187,11 @@ def execute(
     start = time.perf_counter()
     stats = TransferStats(device=device)
     mine = [m for m in messages if device in (m.src, m.dst) and m.src != m.dst]
+    keep = needed is None
+    if keep and local:
+        raise MigrationError(f"{device}: local slices need destinations (needed=None)")
     held_ix = ViewIndex(held, f"held ({device})")
-    needed_ix = ViewIndex(needed, f"needed ({device})")
+    needed_ix = ViewIndex(needed or [], f"needed ({device})")
     by_round: dict[int, list[MessageLike]] = defaultdict(list)
     for msg in mine:
         by_round[msg.round].append(msg)
@@ -187,6 +199,9 @@ def execute(
     stats.rounds = len(all_rounds)
     per_round = staging_bytes_per_round(mine, device)
     arena_bytes = max(per_round.values(), default=0)
+    if keep:  # only the sends are staged in the arena
+        sends = staging_bytes_per_round([m for m in mine if m.src == device], device)
+        arena_bytes = max(sends.values(), default=0)
     if staging_cap is not None and arena_bytes > staging_cap:
         worst = max(per_round, key=per_round.__getitem__)
         raise MigrationError(
@@ -207,8 +222,11 @@ def execute(
         # deterministic order: by (peer rank, direction) so both ends post the same pairs
         for msg in sorted(by_round.get(rnd, []), key=lambda m: (m.src, m.dst)):
             layout = message_layout(msg.slices)
-            buf = arena[pos : pos + layout.size]
-            pos += -(-layout.size // _ALIGN) * _ALIGN
+            if keep and msg.dst == device:
+                buf = torch.empty(layout.size, dtype=torch.uint8, device=dev)
+            else:
+                buf = arena[pos : pos + layout.size]
+                pos += -(-layout.size // _ALIGN) * _ALIGN
             if msg.src == device:
                 t0 = time.perf_counter()
                 for piece, off in zip(msg.slices, layout.offsets, strict=True):
@@ -272,7 +290,10 @@ def execute(
                 )
             t0 = time.perf_counter()
             for piece, off in zip(msg.slices, layout.offsets, strict=True):
-                needed_ix.view(piece).copy_(_typed(buf, off, piece))
+                if keep:
+                    stats.received.append((piece, _typed(buf, off, piece)))
+                else:
+                    needed_ix.view(piece).copy_(_typed(buf, off, piece))
             stats.unpack_seconds += time.perf_counter() - t0
         stats.bytes_sent += sent
         stats.bytes_received += received
@@ -300,7 +321,7 @@ def execute_plan(
     device: str,
     ranks: Mapping[str, int],
     held: Iterable[tuple[Piece, torch.Tensor]],
-    needed: Iterable[tuple[Piece, torch.Tensor]],
+    needed: Iterable[tuple[Piece, torch.Tensor]] | None,
     **kwargs: Any,
 ) -> TransferStats:
     """:func:`execute` for a core ``MigrationPlan`` (``messages`` and ``local[device]``)."""

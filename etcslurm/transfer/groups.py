@@ -51,7 +51,7 @@ def register_teardown_hook(hook: Callable[[], None]) -> None:
 
 def configure(
     store: dist.Store,
-    generation: int,
+    generation: int | str,
     rank: int,
     world_size: int,
     backend: str | None = None,
@@ -72,7 +72,9 @@ def configure(
     prefix = dist.PrefixStore(f"gen{generation}", store)
     kwargs = {}
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        # one GPU per process: LOCAL_RANK (torchrun) / SLURM_LOCALID (srun), else rank mod GPUs
+        local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID")
+        torch.cuda.set_device(int(local) if local else rank % torch.cuda.device_count())
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
     try:
         dist.init_process_group(
@@ -121,10 +123,26 @@ def teardown() -> None:
             error = error or exc
     if dist.is_initialized():
         dist.destroy_process_group()
+    else:
+        _forget_failed_init()
     _CURRENT.clear()
     gc.collect()
     if error is not None:
         raise error
+
+
+def _forget_failed_init() -> None:
+    """Reset torch's process-group counter after an ``init_process_group`` that failed.
+
+    torch names each new group after a per-process counter and uses that name in the
+    rendezvous keys; ``destroy_process_group()`` resets it, but a failed rendezvous (a peer
+    that never arrived) leaves it incremented with no group to destroy.  Processes that
+    then meet again in a new world would look for each other under different keys
+    (measured: the fallback generation after a failed rebuild timed out).
+    """
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._world.group_count = 0
 
 
 def abort() -> None:

@@ -1,0 +1,42 @@
+"""Small helpers shared by the integration tests (processes, Slurm jobs, polling)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def pids_alive(pids: list[int]) -> list[int]:
+    """The PIDs of ``pids`` that still exist (a test asserts nothing outlives a run)."""
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.2) -> Any:
+    """Poll ``pred`` until it returns something truthy (returned); fail naming ``what``."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def sh(*cmd: str) -> str:
+    """Run a command (30 s bound), return its stripped stdout; fail on a non-zero exit."""
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+
+
+def job_state(job_id: str) -> str:
+    """The Slurm state of ``job_id`` (first line: an array's first task)."""
+    return sh("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T").split("\n")[0]
