@@ -63,3 +63,44 @@ def test_checkpoint_migration_distributed_optimizer(tmp_path) -> None:
         TIMEOUT_S,
     )  # fmt: skip
     _check_migration(results, targets)
+
+
+_MANAGER_CHILD = """
+import sys, time
+from etcslurm.megatron.cpu_shim import install_if_needed
+install_if_needed()
+from etcslurm.baseline import checkpoint
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+checkpoint._results_queue_dying_with_us()
+filesystem_async._results_queue.put("ok")  # the queue works
+print(checkpoint._RESULTS_MANAGER._process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_writer_results_manager_dies_with_a_killed_trainer() -> None:
+    """megatron's results-queue manager (a spawned server) must not outlive a trainer that
+    is killed: it used to be left behind, ~270 MB each, after every killed run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import pids_alive
+
+    proc = subprocess.Popen([sys.executable, "-c", _MANAGER_CHILD], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        manager = int(proc.stdout.readline())
+        assert pids_alive([manager]) == [manager]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        end = time.monotonic() + 10
+        while pids_alive([manager]) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert pids_alive([manager]) == [], "the manager outlived its killed trainer"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

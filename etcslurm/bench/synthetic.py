@@ -186,3 +186,36 @@ def bandwidth(ctx: WorkerContext) -> dict[str, Any]:
         best = min(best, time.perf_counter() - t0)
     groups.teardown()
     return {"bytes": buf.numel(), "seconds": best, "gbps": buf.numel() / best / 1e9}
+
+
+def receive_memory(ctx: WorkerContext) -> dict[str, Any]:
+    """Gloo throughput by receive memory: resident (touched before) vs freshly allocated,
+    one pair (0 -> 1) vs two pairs at once (0 -> 1, 2 -> 3); best of ``repeat`` each.
+
+    Why: the migration's exchange receives into memory allocated for it, and every page
+    of that memory faults (and is zeroed) inside the socket copy.
+    """
+    me, n = ctx.index, ctx.nprocs
+    nbytes = int(ctx.config.get("mbytes", 512)) << 20
+    groups.configure(ctx.store, int(ctx.config.get("generation", 0)), me, n, timeout=120)
+    send = torch.ones(nbytes, dtype=torch.uint8)
+    resident = torch.ones(nbytes, dtype=torch.uint8)
+    out: dict[str, Any] = {}
+    for pairs_name, pairs in (("one pair", [(0, 1)]), ("two pairs", [(0, 1), (2, 3)])):
+        for memory in ("resident", "fresh"):
+            best = float("inf")
+            for _ in range(int(ctx.config.get("repeat", 3))):
+                target = torch.empty(nbytes, dtype=torch.uint8) if memory == "fresh" else resident
+                ops = [dist.P2POp(dist.isend, send, d) for s, d in pairs if s == me]
+                ops += [dist.P2POp(dist.irecv, target, s) for s, d in pairs if d == me]
+                dist.barrier()
+                t0 = time.perf_counter()
+                for work in dist.batch_isend_irecv(ops) if ops else []:
+                    work.wait()
+                dist.barrier()
+                best = min(best, time.perf_counter() - t0)
+                del target
+            out[f"{pairs_name}, {memory}"] = {"seconds": best,
+                                              "gbps": len(pairs) * nbytes / best / 1e9}
+    groups.teardown()
+    return out
