@@ -118,6 +118,18 @@ def test_generation_cas_one_winner(make, client):
         cs[1].wait_generation(after=1, timeout=0.2)
 
 
+def test_commit_only_moves_forward_and_stops_after_end_run(make):
+    a, b = make(), make()
+    a.register(heartbeat=False)
+    assert b.committed_generation() == -1
+    a.commit_generation(2)
+    a.commit_generation(1)  # a late commit of an older generation changes nothing
+    assert b.committed_generation() == 2
+    a.end_run()
+    a.commit_generation(5)  # after the end nothing is re-created
+    assert b.committed_generation() == -1
+
+
 def test_barrier_timeout_names_missing_workers(make):
     cs = [make() for _ in range(4)]
     ids = [c.register() for c in cs]

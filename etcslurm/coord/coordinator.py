@@ -141,6 +141,7 @@ class Coordinator:
         self._break = r.register_script(scripts.BARRIER_BREAK)
         self._hset_live = r.register_script(scripts.HSET_UNLESS_ENDED)
         self._xadd_live = r.register_script(scripts.XADD_UNLESS_ENDED)
+        self._max_set = r.register_script(scripts.MAX_SET_UNLESS_ENDED)
 
     # ------------------------------------------------------------------ JSON I/O
     def _read(self, key: str, deadline: float | None = None) -> dict | None:
@@ -454,6 +455,18 @@ class Coordinator:
             self.emit("generation.start", generation=n, gen=n,
                       **{k: record[k] for k in shown if k in record})
         return bool(int(won))
+
+    def commit_generation(self, generation: int) -> None:
+        """Record that every member of ``generation`` has entered it (its state is complete
+        everywhere): workers that left the world may go.  One small key, so waiting
+        workers poll it cheaply; it only moves forward."""
+        self.client.call("commit generation", lambda r: self._max_set(
+            keys=[self.keys.committed, self.keys.ended], args=[int(generation)]))
+
+    def committed_generation(self) -> int:
+        """The last committed generation (``-1`` before the first)."""
+        raw = self.client.call("read commit", lambda r: r.get(self.keys.committed))
+        return -1 if raw is None else int(schema.text(raw))
 
     def current_generation(self) -> dict[str, Any] | None:
         """The current generation record, or ``None`` before the first."""

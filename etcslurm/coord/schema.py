@@ -50,6 +50,7 @@ class Keys:
         self.workers = p + "workers"  # hash worker id -> JSON info + state
         self.worker_seq = p + "worker_seq"  # counter for worker ids
         self.gen = p + "gen"  # current generation JSON
+        self.committed = p + "committed"  # number of the last generation every member entered
         self.status = p + "status"  # JSON summary for the monitor
         self.events = p + "events"  # stream: type, ts, data (JSON), worker
         self.changes = p + "changes"  # list of JSON change requests
@@ -74,8 +75,8 @@ class Keys:
 
     def fixed(self) -> list[str]:
         """The keys whose names do not depend on workers, barriers or generations."""
-        return [self.spec, self.workers, self.worker_seq, self.gen, self.status,
-                self.events, self.changes, self.barriers, self.stores]
+        return [self.spec, self.workers, self.worker_seq, self.gen, self.committed,
+                self.status, self.events, self.changes, self.barriers, self.stores]
 
 
 def dumps(value: Any, what: str, max_bytes: int = MAX_VALUE_BYTES) -> bytes:

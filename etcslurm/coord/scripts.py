@@ -129,3 +129,13 @@ XADD_UNLESS_ENDED = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return false end
 return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 2))
 """
+
+# KEYS[1] a number; KEYS[2] ended; ARGV[1] candidate.  Sets KEYS[1] to the larger of the
+# two (a commit never goes back); nothing after end_run.  Returns the value now stored.
+MAX_SET_UNLESS_ENDED = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return false end
+local cur = tonumber(redis.call('GET', KEYS[1]) or '-1')
+local new = tonumber(ARGV[1])
+if new > cur then redis.call('SET', KEYS[1], ARGV[1]); return new end
+return cur
+"""

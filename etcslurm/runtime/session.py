@@ -672,7 +672,9 @@ class ElasticSession:
         self._held, self._held_scalars = None, None
         rebuild_s = time.perf_counter() - t_r
         self.record = record
-        self.coord.set_state(ACTIVE, rank=self.rank, generation=gen)  # the commit
+        self.coord.set_state(ACTIVE, rank=self.rank, generation=gen)
+        if self.rank == 0:  # past the new world's barrier: every member is complete
+            self.coord.commit_generation(gen)
         report = MigrationReport(
             gen, "resize", old_layout, record["to"], seconds=time.perf_counter() - t0,
             transfer_seconds=transfer_s, rebuild_seconds=rebuild_s,
@@ -744,25 +746,21 @@ class ElasticSession:
 
     def _await_commit(self, record: dict[str, Any]) -> dict[str, Any] | None:
         """A worker leaving the world waits until the new world has committed ``record``
-        (every new member reports it active in that generation); returns ``None`` then,
+        (its rank 0, past the new world's barrier, records the commit); returns ``None`` then,
         or a newer generation to follow when the change failed and was planned again.
         Bounded by the time a failure takes to show (after that it leaves anyway)."""
         assert self.coord is not None
         gen = int(record["generation"])
-        members_of_new = [a["worker"] for a in record["assignment"]]
         limit = self.cfg.dead_after * 2 + self.cfg.collective_timeout * 2 + 30
         end = time.monotonic() + limit
         while time.monotonic() < end:
+            if self.coord.committed_generation() >= gen:
+                return None
             latest = self.coord.current_generation()
             if latest is not None and int(latest["generation"]) > gen:
                 if self.worker_id in latest.get("union", []) and latest["kind"] == "resize":
                     return latest
                 return None  # planned without this worker (from the new state): done here
-            members = self.coord.members()
-            if all(members.get(w, {}).get("state") == ACTIVE
-                   and int(members.get(w, {}).get("generation", -1)) == gen
-                   for w in members_of_new):
-                return None
             time.sleep(0.1)
         log.warning("generation %s was not confirmed within %.0f s; leaving anyway", gen, limit)
         return None
