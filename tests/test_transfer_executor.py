@@ -9,7 +9,13 @@ from etcslurm.bench.launch import launch
 from etcslurm.bench.synthetic import SynthMessage, global_tensor, needed_pieces, synthetic_plan
 from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError
-from etcslurm.transfer.executor import checksum, execute, message_layout, staging_bytes_per_round
+from etcslurm.transfer.executor import (
+    checksum,
+    execute,
+    fill,
+    message_layout,
+    staging_bytes_per_round,
+)
 
 N = 4
 
@@ -105,3 +111,18 @@ def test_plan_mismatch_is_named() -> None:
     held = [(Piece("t0", ((0, 2), (0, 2)), "float32"), global_tensor("t0")[:2, :2])]
     with pytest.raises(MigrationError, match=r"no held \(1\) piece contains t0"):
         execute([msg], [], "1", {"0": 0, "1": 1}, held, [])
+
+
+def test_fill_copies_local_and_received_slices_and_refuses_gaps() -> None:
+    import torch
+
+    dest = [(Piece("w", ((0, 4),), "float32"), torch.zeros(4))]
+    held = [(Piece("w", ((0, 2),), "float32"), torch.tensor([1.0, 2.0]))]
+    local = [Piece("w", ((0, 2),), "float32")]
+    received = [(Piece("w", ((2, 4),), "float32"), torch.tensor([3.0, 4.0]))]
+    assert fill(dest, local, held, received, "t") == 16
+    assert dest[0][1].tolist() == [1.0, 2.0, 3.0, 4.0]
+    untouched = [(Piece("w", ((0, 4),), "float32"), torch.zeros(4))]
+    with pytest.raises(MigrationError, match="fills 8 of the 16 bytes"):
+        fill(untouched, local, held, [], "t")
+    assert untouched[0][1].tolist() == [0.0] * 4  # nothing copied before the check

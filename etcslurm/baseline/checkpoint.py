@@ -32,6 +32,7 @@ from typing import Any
 from etcslurm.errors import MigrationError, WaitTimeout
 from etcslurm.megatron.model import Trainee, fix_step_alias, patch_distopt_step_keyerror
 from etcslurm.megatron.scalars import extract_scalars, restore_scalars
+from etcslurm.parent_death import die_with_parent
 
 DISTOPT_SHARDING = "fully_reshardable"
 
@@ -100,7 +101,7 @@ def _persistent_writer_loop(*args: Any, **kwargs: Any) -> None:
     if cpu_shim.install_if_needed():
         torch.cuda.device_count = lambda: 1
     parent = os.getppid()
-    _die_with_parent(parent)
+    die_with_parent(parent=parent)
 
     def _exit_with_parent() -> None:
         # megatron's writer blocks on its queue forever when the trainer dies (a crashed
@@ -123,19 +124,6 @@ def _persistent_writer_loop(*args: Any, **kwargs: Any) -> None:
 _ORIGINAL_LOOP: Any = None
 
 
-def _die_with_parent(parent: int | None = None) -> None:
-    """In a helper process: the kernel sends SIGKILL when the trainer dies (Linux)."""
-    import ctypes
-    import signal
-
-    parent = os.getppid() if parent is None else parent
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() != parent:  # the trainer died before the call took effect
-        os._exit(0)
-
 
 _RESULTS_MANAGER: Any = None
 
@@ -147,7 +135,7 @@ def _results_queue_dying_with_us() -> None:
     spawned manager server (~270 MB) that is only shut down when this process exits
     cleanly.  A trainer that is killed (preemption, a failed peer, a test timeout) left it
     behind forever -- measured: 36 orphans, ~10 GB, after one test session.  Started here
-    with :func:`_die_with_parent` as its initializer instead.
+    with :func:`~etcslurm.parent_death.die_with_parent` as its initializer instead.
     """
     global _RESULTS_MANAGER
     import multiprocessing
@@ -158,7 +146,7 @@ def _results_queue_dying_with_us() -> None:
     if filesystem_async._results_queue is not None:
         return
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=_die_with_parent)
+    manager.start(initializer=die_with_parent)
     _RESULTS_MANAGER = manager
     filesystem_async._results_queue = manager.Queue()
 

@@ -41,7 +41,7 @@ from etcslurm.core.models import GPTSpec
 from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError, StateLostError
 from etcslurm.transfer import groups
-from etcslurm.transfer.executor import ViewIndex, execute
+from etcslurm.transfer.executor import execute, fill
 
 
 def _max(value: float) -> float:
@@ -211,8 +211,8 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         progress("done")
         return out
     out["role"] = "new"
-    # the old model stays alive until the P2P restore has copied the local slices out
-    old_views = ViewIndex(held, "old model")
+    # the old model (``held``) stays alive until the P2P restore has copied the local
+    # slices out
     # ---------------------------------------------------------------- 2. new world
     if scalars is None or index != 0:
         scalars = json.loads(ctx.store.get("bench/scalars"))
@@ -247,13 +247,11 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
     gc.collect()
     # P2P path: build, restore local slices (old model) + received slices (timed)
     p2p_model = build_gpt(spec, new, optimizer, seed, hyper=hyper)
-    restore_s, copied = _timed_barrier_max(
-        lambda m=p2p_model: _restore(m, local_slices, old_views, received, local_state))
+    restore_s, _ = _timed_barrier_max(lambda m=p2p_model: fill(
+        local_state(m).items(), local_slices, held, received, f"rank {new_rank} (P2P)"))
     restore_scalars(p2p_model, scalars)
     out["restore_seconds"] = restore_s
     p2p_live = local_state(p2p_model)
-    if copied != p2p_live.nbytes:
-        raise MigrationError(f"restore filled {copied} of {p2p_live.nbytes} bytes of rank {new_rank}")
     mismatched = [p for p, v in p2p_live.items() if _fingerprint(v) != ckpt_prints.get(p)]
     out["p2p_equals_checkpoint"] = not mismatched if use_ckpt else None
     out["mismatch_p2p_vs_checkpoint"] = [p.to_json() for p in mismatched[:5]]
@@ -263,7 +261,7 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         out["p2p_equals_pre_migration"] = not bad
         out["mismatch_p2p_vs_pre_migration"] = [p.to_json() for p in bad[:5]]
     # the old state is no longer needed on this device
-    held, trainee, state, old_views, received, stats = [], None, None, None, [], None
+    held, trainee, state, received, stats = [], None, None, [], None
     p2p_live = None
     gc.collect()
     losses_p2p = []
@@ -289,21 +287,6 @@ def _fingerprint(t: torch.Tensor) -> str:
 
     return hashlib.blake2b(t.detach().contiguous().view(-1).view(torch.uint8).numpy().data,
                            digest_size=16).hexdigest()
-
-
-def _restore(trainee: Any, local: list[Piece], old: ViewIndex,
-             received: list[tuple[Piece, torch.Tensor]], local_state: Any) -> int:
-    """Fill the freshly built model/optimizer: local slices from the old model, the rest
-    from the receive buffers; returns the bytes copied (must be all of the new state)."""
-    fresh = ViewIndex(local_state(trainee).items(), "new model")
-    n = 0
-    for piece in local:
-        fresh.view(piece).copy_(old.view(piece))
-        n += piece.nbytes
-    for piece, buf in received:
-        fresh.view(piece).copy_(buf)
-        n += piece.nbytes
-    return n
 
 
 def _check_holdings(spec: GPTSpec, cfg: ParallelConfig, rank: int, optimizer: str,

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from etcslurm.errors import CoordinatorError, UsageError
+from etcslurm.parent_death import die_with_parent
 
 PASSWORD_FILE = "redis.password"
 CONFIG_FILE = "redis.conf"
@@ -228,7 +229,7 @@ class BundledRedis:
             start_new_session=True,  # Ctrl-C of the launcher must not kill it first
             # atexit does not run when the owner is SIGKILLed: let the kernel stop the
             # server then (Linux; the starting thread must live as long as the owner)
-            preexec_fn=None if self.detached else _die_with_parent,
+            preexec_fn=None if self.detached else _redis_dies_with_parent,
         )
 
     def _wait_ready(self) -> None:
@@ -288,15 +289,6 @@ class BundledRedis:
         _write_private(self.run_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies (Linux prctl)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux/glibc: atexit still covers clean exits
-        pass
-
 
 def read_state(run_dir: str | Path) -> dict[str, object]:
     """The ``coordinator.json`` a detached server left in ``run_dir``."""
@@ -354,3 +346,9 @@ def _is_our_redis(pid: int, executable: str) -> bool:
     except OSError:
         return True  # no /proc: trust the state file
     return os.path.basename(exe).startswith("redis-server") or exe == executable
+
+
+def _redis_dies_with_parent() -> None:
+    """In the child before exec: SIGTERM (Redis shuts down cleanly) when the parent dies;
+    where prctl is missing, atexit still covers clean exits."""
+    die_with_parent(signal.SIGTERM)

@@ -27,6 +27,7 @@ from etcslurm.coord.coordinator import Coordinator
 from etcslurm.coord.server import BundledRedis
 from etcslurm.core.models import GPTSpec
 from etcslurm.errors import EtcslurmError, UsageError, WaitTimeout
+from etcslurm.parent_death import die_with_parent
 from etcslurm.runtime.schedule import ScheduledEvent, active_after, parse_schedule
 from etcslurm.runtime.session import SessionConfig
 
@@ -172,7 +173,7 @@ class LocalRun:
             cmd += ["--password-file", str(self.password_file)]
         with log.open("wb") as fh:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                    stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         wp = WorkerProc(index, node, proc, log)
         self.procs.append(wp)
         self.result.pids.append(proc.pid)
@@ -285,13 +286,6 @@ class LocalRun:
             wp.proc.kill()
             wp.proc.wait(timeout=5)
 
-
-def _die_with_parent() -> None:
-    """In the child: get SIGKILL when the launcher dies, so no worker outlives a demo."""
-    import ctypes
-
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _tail(path: Path, lines: int = 8) -> str:

@@ -35,6 +35,7 @@ import os
 import socket
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,7 +175,7 @@ class ElasticSession:
         self._data_log: Any = None
         self._held: list[tuple[Any, torch.Tensor]] | None = None
         self._held_scalars: dict[str, Any] | None = None
-        self._backlog: list[tuple[float, str, dict[str, Any]]] = []
+        self._backlog: deque[tuple[float, str, dict[str, Any]]] = deque()
         self._dropped_events = 0
         self._coord_failed_at: float | None = None
         self.exit_reason = "finished"
@@ -367,7 +368,7 @@ class ElasticSession:
     def _emit_soft(self, type: str, **data: Any) -> None:
         """An event from the training loop: kept and sent later if the coordinator is down."""
         if len(self._backlog) >= 100_000:  # bounded: drop the oldest, say so once it is back
-            self._backlog.pop(0)
+            self._backlog.popleft()
             self._dropped_events += 1
         self._backlog.append((time.time(), type, data))
         if self._coordinator_reachable():
@@ -384,7 +385,7 @@ class ElasticSession:
             while self._backlog:
                 ts, type, data = self._backlog[0]
                 self.coord.emit(type, at_ts=ts, retry_s=retry_s, **data)
-                self._backlog.pop(0)
+                self._backlog.popleft()
         except EtcslurmError as exc:
             if retry_s is None:
                 raise
@@ -621,14 +622,8 @@ class ElasticSession:
             )
         except (RuntimeError, dist.DistError, MigrationError, WaitTimeout) as exc:
             # a peer died mid-exchange: nothing was applied anywhere (the new model is
-            # only built afterwards), so fall back to the previous generation's state
-            groups.abort()
-            self.coord.emit("error", worker=self.worker_id,
-                            message=f"migration to generation {gen} failed: {str(exc)[:160]}")
-            if self.record is None:  # a joiner holds nothing: wait for the next try
-                self._wait_to_join(after=gen)
-            else:
-                self._recover(exc, failed=record)
+            # only built afterwards)
+            self._fall_back(exc, record, f"migration to generation {gen} failed")
             return
         transfer_s = time.perf_counter() - t_x
         groups.teardown()
@@ -656,17 +651,9 @@ class ElasticSession:
             self._rebuild(record, new_rank, new_cfg, held, local_slices, stats.received)
         except (RuntimeError, dist.DistError, WaitTimeout) as exc:
             # a peer was lost while the new world formed: nobody has committed it, every
-            # old member still holds the old generation (leavers wait for the commit), so
-            # fall back to it and plan again without the dead
-            groups.abort()
+            # old member still holds the old generation (leavers wait for the commit)
             self.rank, self.trainee = old_rank, old_trainee
-            self.coord.emit("error", worker=self.worker_id,
-                            message=f"new world of generation {gen} failed to form: "
-                                    f"{str(exc)[:160]}")
-            if self.record is None:
-                self._wait_to_join(after=gen)
-            else:
-                self._recover(exc, failed=record)
+            self._fall_back(exc, record, f"new world of generation {gen} failed to form")
             return
         del stats.received[:], held, old_trainee
         self._held, self._held_scalars = None, None
@@ -695,6 +682,20 @@ class ElasticSession:
             )
         self._change_started = None
 
+    def _fall_back(self, exc: BaseException, failed: dict[str, Any], what: str) -> None:
+        """A change failed before its commit: every old member still holds the previous
+        generation, so plan again from it without the dead (a joiner, holding nothing,
+        waits to be taken in by that plan)."""
+        from etcslurm.transfer import groups
+
+        assert self.coord is not None
+        groups.abort()
+        self.coord.emit("error", worker=self.worker_id, message=f"{what}: {str(exc)[:160]}")
+        if self.record is None:
+            self._wait_to_join(after=int(failed["generation"]))
+        else:
+            self._recover(exc, failed=failed)
+
     def _holdings(self) -> tuple[list[tuple[Any, torch.Tensor]], dict[str, Any] | None]:
         """(views of every piece this worker holds, its scalars), taken once per change.
 
@@ -719,7 +720,7 @@ class ElasticSession:
         worker held are copied from the old model, the rest from the received buffers.
         Ends with a barrier of the new world: past it, every new member is complete."""
         from etcslurm.megatron.adapter import finish_restore, local_state
-        from etcslurm.transfer.executor import ViewIndex
+        from etcslurm.transfer.executor import fill
 
         gen = int(record["generation"])
         assert self.coord is not None
@@ -728,19 +729,8 @@ class ElasticSession:
         self.rank = new_rank
         self._init_world(record, new_cfg)
         self.trainee = self.build(self.cfg.spec, new_cfg, self.cfg)
-        live = local_state(self.trainee)
-        filled = sum(p.nbytes for p in local_slices) + sum(p.nbytes for p, _ in received)
-        if filled != live.nbytes:
-            raise MigrationError(
-                f"generation {gen}: rank {new_rank} would get {filled} of the "
-                f"{live.nbytes} bytes its layout holds (the plan does not cover its state)"
-            )
-        fresh = ViewIndex(live.items(), "new model")
-        old_views = ViewIndex(held, "old model")
-        for piece in local_slices:
-            fresh.view(piece).copy_(old_views.view(piece))
-        for piece, tensor in received:
-            fresh.view(piece).copy_(tensor)
+        fill(local_state(self.trainee).items(), local_slices, held, received,
+             f"generation {gen}, rank {new_rank}")
         finish_restore(self.trainee, record["scalars"])
         dist.barrier()
 

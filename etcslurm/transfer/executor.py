@@ -318,6 +318,34 @@ def execute(
     return stats
 
 
+def fill(
+    destination: Iterable[tuple[Piece, torch.Tensor]],
+    local: Iterable[Piece],
+    held: Iterable[tuple[Piece, torch.Tensor]],
+    received: Iterable[tuple[Piece, torch.Tensor]],
+    what: str = "new state",
+) -> int:
+    """Fill ``destination`` (the views of a freshly built model) after an exchange run with
+    ``needed=None``: ``local`` slices are copied from ``held`` (the old model), the others
+    from ``received`` (``stats.received``).  The slices must cover ``destination`` exactly
+    (checked before anything is copied); returns the bytes copied."""
+    destination, local, received = list(destination), list(local), list(received)
+    total = sum(p.nbytes for p, _ in destination)
+    filled = sum(p.nbytes for p in local) + sum(p.nbytes for p, _ in received)
+    if filled != total:
+        raise MigrationError(
+            f"{what}: the plan fills {filled} of the {total} bytes it holds "
+            "(the plan does not cover its state)"
+        )
+    fresh = ViewIndex(destination, what)
+    old = ViewIndex(held, "old model")
+    for piece in local:
+        fresh.view(piece).copy_(old.view(piece))
+    for piece, tensor in received:
+        fresh.view(piece).copy_(tensor)
+    return filled
+
+
 def execute_plan(
     plan: Any,
     device: str,
