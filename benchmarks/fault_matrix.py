@@ -362,10 +362,11 @@ def joiner_never_arrives(redis_url: str, pw: str | None, run_dir: Path, steps: i
 
 def kill_during_rebuild(redis_url: str, pw: str | None, run_dir: Path, steps: int,
                         reference: dict[int, float] | None) -> Row:
-    """4 workers, one preempted at step 2 (dp4 → dp3); after the exchange, while the new
-    world forms (members pause 3 s there), new rank 1 gets SIGKILL.  Nobody has committed
-    the new generation and the leaver is still there, so all fall back to the old state
-    and plan again without the dead: dp4 − leaver − dead = dp2."""
+    """4 workers, one preempted at step 2 (dp4 → dp3); while the new world forms and
+    builds its model (before the exchange; members pause 3 s there), new rank 1 gets
+    SIGKILL.  Nobody has committed the new generation and the leaver is still there, so
+    all fall back to the old state and plan again without the dead: dp4 − leaver − dead
+    = dp2."""
     opts = _options(redis_url, pw, run_dir, max(steps, 8), workers=4, schedule="2:leave=1",
                     rebuild_delay=3.0)
 

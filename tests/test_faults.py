@@ -237,9 +237,9 @@ def test_sigkill_of_a_sender_mid_transfer_replans_from_the_old_state(
 @pytest.mark.redis
 def test_sigkill_while_the_new_world_forms_falls_back_to_the_old_state(
         redis_url: str, reference: _Reference, tmp_path: Path) -> None:
-    """After the exchange, before anyone committed the new generation (the leaver is
-    still there): a new member dies; everyone returns to the old generation's state and
-    the change is planned again from it, the leaver handing its state over again."""
+    """While the new world forms (before the exchange; nobody has committed the new
+    generation and the leaver is still there): a new member dies; everyone returns to
+    the old generation's state and the change is planned again from it."""
     row = _measured(fm.kill_during_rebuild(redis_url, None, tmp_path, STEPS, None), reference)
     _assert_completed(row, 8)
     gens = [row.records[g] for g in sorted(row.records)]

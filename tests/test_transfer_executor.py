@@ -12,7 +12,6 @@ from etcslurm.errors import MigrationError
 from etcslurm.transfer.executor import (
     checksum,
     execute,
-    fill,
     message_layout,
     staging_bytes_per_round,
 )
@@ -72,14 +71,16 @@ def test_ten_migrations_leak_nothing(selftest: list[dict]) -> None:
         assert usage[-1]["rss_bytes"] - usage[1]["rss_bytes"] < 16 << 20
 
 
-def test_received_buffers_can_be_kept_instead_of_unpacked(selftest: list[dict]) -> None:
-    """``needed=None``: received slices are handed back as views of their verified
-    buffers (no unpack copy); the arena only stages this device's sends."""
+def test_exchange_group_outside_the_world_is_exact_and_leaks_nothing(selftest: list[dict]) -> None:
+    """The benchmark's path: a bare gloo group of its own (no default world), the
+    caller's staging arena packed into (not a fresh one), closed after each migration."""
     for r in selftest:
-        assert r["kept_exact"] is True
-        assert 0 < r["kept_staging"] < r["stats"]["peak_staging_bytes"]
-        assert r["kept_sent_bytes"] == r["stats"]["bytes_sent"]
-        assert "received" not in r["kept_json_keys"]
+        assert r["exchange_exact"] == [True] * 5
+        assert r["exchange_arena_used"] == [True] * 5
+        usage = r["exchange_usage"]
+        assert usage[-1]["os_threads"] <= usage[1]["os_threads"]
+        assert usage[-1]["fds"] <= usage[1]["fds"]
+        assert usage[-1]["rss_bytes"] - usage[1]["rss_bytes"] < 16 << 20
 
 
 def test_staging_cap_is_enforced_before_anything_moves() -> None:
@@ -111,18 +112,3 @@ def test_plan_mismatch_is_named() -> None:
     held = [(Piece("t0", ((0, 2), (0, 2)), "float32"), global_tensor("t0")[:2, :2])]
     with pytest.raises(MigrationError, match=r"no held \(1\) piece contains t0"):
         execute([msg], [], "1", {"0": 0, "1": 1}, held, [])
-
-
-def test_fill_copies_local_and_received_slices_and_refuses_gaps() -> None:
-    import torch
-
-    dest = [(Piece("w", ((0, 4),), "float32"), torch.zeros(4))]
-    held = [(Piece("w", ((0, 2),), "float32"), torch.tensor([1.0, 2.0]))]
-    local = [Piece("w", ((0, 2),), "float32")]
-    received = [(Piece("w", ((2, 4),), "float32"), torch.tensor([3.0, 4.0]))]
-    assert fill(dest, local, held, received, "t") == 16
-    assert dest[0][1].tolist() == [1.0, 2.0, 3.0, 4.0]
-    untouched = [(Piece("w", ((0, 4),), "float32"), torch.zeros(4))]
-    with pytest.raises(MigrationError, match="fills 8 of the 16 bytes"):
-        fill(untouched, local, held, [], "t")
-    assert untouched[0][1].tolist() == [0.0] * 4  # nothing copied before the check

@@ -191,6 +191,8 @@ def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, An
         "checkpoint_save_all": first["checkpoint_save_seconds"],
         "checkpoint_load_all": new[0]["checkpoint_load_seconds"],
         "checkpoint_startup_seconds": first["checkpoint_startup_seconds"],
+        # the staging arena's one-off allocation (a long-lived process keeps it)
+        "arena_setup_seconds": first.get("arena_setup_seconds"),
         "speedup": ckpt / p2p if p2p > 0 else float("inf"),
         "state_bytes": stats["state_bytes"],
         "moved_bytes": stats["moved_bytes"],

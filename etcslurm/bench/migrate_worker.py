@@ -7,23 +7,31 @@ Phases (generations on the launcher's long-lived store):
    the replicated scalars (JSON), then save it with the checkpoint baseline -- a warm-up
    save first (its writer processes' one-off start-up cost, reported apart), then the
    timed saves.
-1. **union world** (old devices + joiners): every rank replays the same plan, then the
-   executor moves the state into receive buffers (one per message, kept), ``repeat`` times.
-   Leaving and idle devices are done after this and exit.
-2. **new world** (new ranks only): model B is built and loaded from the checkpoint
-   (timed), checked bit for bit against the P2P buffers and the pre-migration dump, then
-   trained ``steps_after`` steps; model A is built, restored from the P2P buffers (timed,
-   part of ``p2p_seconds``) and trained the same steps: losses must be bit-identical.
-   Optionally a reference model that never migrated trains from scratch in the new layout.
+1. **new world first**: the devices of the new layout form it and build the P2P model
+   (untimed, exactly as the checkpoint path's model is built before its timed load);
+   leaving and idle devices leave the old world.  The old model's tensors stay readable.
+2. **exchange group** (old devices + joiners; a bare gloo/NCCL group outside the default
+   world, :func:`etcslurm.transfer.groups.exchange_group`): every member replays the same
+   plan (timed), then the executor moves the state straight into the P2P model's views,
+   local slices included, through one staging arena per process that is allocated and
+   touched once (its set-up reported apart), ``repeat`` times.  Leaving and idle devices
+   are done after this and exit.
+3. **new world**: the scalars are restored (timed, part of ``p2p_seconds``); the P2P
+   state is fingerprinted and checked against the pre-migration dump; model B is built and
+   loaded from the checkpoint (timed), compared bit for bit with the P2P model and trained
+   ``steps_after`` steps, then the P2P model trains the same steps: losses must be
+   bit-identical.  Optionally a reference model that never migrated trains from scratch.
 
-Why receive buffers and not the live new model: megatron-core modules keep references to
-the process groups they were built with, so the new model can only be built in the new
-world, which does not contain the leaving devices; the restore is one local copy per piece
-and is counted in ``p2p_seconds``.
+Why the exchange needs a group of its own: megatron-core modules keep the process groups
+they were built with, so the new model can only be built in the new world -- which does
+not contain leaving devices.  Before this, the state was received into fresh buffers in a
+union world and copied into a model built afterwards; fresh memory faults inside the
+socket copy and cost 2.4-4x (docs/migration.md).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import time
@@ -41,7 +49,7 @@ from etcslurm.core.models import GPTSpec
 from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError, StateLostError
 from etcslurm.transfer import groups
-from etcslurm.transfer.executor import execute, fill
+from etcslurm.transfer.executor import execute, staging_arena
 
 
 def _max(value: float) -> float:
@@ -49,6 +57,19 @@ def _max(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def _group_max(xg: Any, value: float, timeout: float) -> float:
+    """The maximum of ``value`` over the exchange group (every member gets it)."""
+    return float(groups.group_max(xg, torch.tensor([value], dtype=torch.float64), timeout).item())
+
+
+def _timed_group_max(xg: Any, timeout: float, fn: Any) -> tuple[float, Any]:
+    """Run ``fn`` between two all-reduces of the exchange group: the slowest member's time."""
+    _group_max(xg, 0.0, timeout)
+    t0 = time.perf_counter()
+    out = fn()
+    return _group_max(xg, time.perf_counter() - t0, timeout), out
 
 
 def _timed_barrier_max(fn: Any) -> tuple[float, Any]:
@@ -170,59 +191,87 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
     else:
         progress("waiting-for-old")
         ctx.store.wait(["bench/old_done"], phase_wait)
-    # ---------------------------------------------------------------- 1. union world
+    # ------------------------------------------- 1. new world first, its model built
     n_union = n_old + n_join
     ranks = {str(r): r for r in range(n_old)} | {f"join:{j}": n_old + j for j in range(n_join)}
-    progress("union")
-    groups.configure(ctx.store, 1, index, n_union, timeout=timeout)
-    if c.get("measure_bandwidth", False) and n_union >= 2:
-        out["pair_bandwidth"] = _pair_bandwidth(index, int(c.get("bandwidth_mbytes", 128)))
-    # the runtime plans at migration time: time it here (every rank plans, max over ranks)
-    plan_seconds, plan = _timed_barrier_max(
-        lambda: plan_for_gpt(spec, old, new, leaving=[str(r) for r in leave], joiners=n_join,
-                             optimizer=optimizer, staging_bytes=int(c["plan_staging_bytes"]))
-    )
-    out["plan_seconds"] = plan_seconds
     new_rank = plan.assignment.index(device) if device in plan.assignment else None
-    # Slices that arrive from other devices stay in their verified receive buffers, and
-    # slices this device already holds stay in the old model: both are copied once,
-    # straight into the new model at restore time, as the runtime does.
-    local_slices = list(plan.local.get(device, [])) if new_rank is not None else []
-    p2p_times, stats = [], None
-    for rep in range(repeat):
-        def run(rep: int = rep, held: Any = held) -> Any:
-            return execute(
-                plan.messages, [], device, ranks, held, None,
-                staging_cap=int(c["staging_bytes"]),
-                timeout=timeout,
-                progress=lambda info, rep=rep: progress("p2p", repeat=rep, **info),
-            )
+    out["new_rank"] = new_rank
+    steps_after = int(c.get("steps_after", 2))
+    p2p_model = None
+    if new_rank is not None:
+        # Like the checkpoint path below (its model is built before the timed load), the
+        # P2P model is built before the timed migration: the exchange then writes straight
+        # into it.  The old model stays readable: tearing its world down frees no tensor.
+        progress("build-new")
+        parallel.init_parallel(new, new_rank, new.world_size, ctx.store, 1, timeout_s=timeout)
+        p2p_model = build_gpt(spec, new, optimizer, seed, hyper=hyper)
+    else:
+        groups.teardown()  # leaving or idle: only the exchange group is needed
+    # ------------------------------------------- 2. exchange group over old devices + joiners
+    progress("exchange-group")
+    xg = groups.exchange_group(ctx.store, 1, index, n_union, timeout=timeout)
+    try:
+        if c.get("measure_bandwidth", False) and n_union >= 2:
+            out["pair_bandwidth"] = _pair_bandwidth(xg, index, int(c.get("bandwidth_mbytes", 128)),
+                                                    timeout)
+        # One staging arena per process, allocated and touched once, reused by every
+        # migration of the process (as a long-lived trainer keeps it); its one-off set-up
+        # is reported apart, like the checkpoint writer's start-up.
+        t0 = time.perf_counter()
+        arena = staging_arena(plan.messages, device, None)
+        out["arena_setup_seconds"] = _group_max(xg, time.perf_counter() - t0, timeout)
+        # the runtime plans at migration time: time it here (every rank plans)
+        plan_seconds, plan = _timed_group_max(xg, timeout, lambda: plan_for_gpt(
+            spec, old, new, leaving=[str(r) for r in leave], joiners=n_join,
+            optimizer=optimizer, staging_bytes=int(c["plan_staging_bytes"])))
+        out["plan_seconds"] = plan_seconds
+        local_slices = list(plan.local.get(device, [])) if new_rank is not None else []
+        needed = local_state(p2p_model).items() if p2p_model is not None else []
+        p2p_times, stats = [], None
+        for rep in range(repeat):
+            def run(rep: int = rep) -> Any:
+                return execute(
+                    plan.messages, local_slices, device, ranks, held, needed,
+                    staging_cap=int(c["staging_bytes"]), timeout=timeout, group=xg,
+                    arena=arena,
+                    progress=lambda info, rep=rep: progress("p2p", repeat=rep, **info),
+                )
 
-        seconds, stats = _timed_barrier_max(run)
-        p2p_times.append(seconds)
+            seconds, stats = _timed_group_max(xg, timeout, run)
+            p2p_times.append(seconds)
+    finally:
+        groups.close_exchange_group(xg)
     out["exchange_seconds"] = p2p_times
     out["transfer"] = stats.to_json() if stats is not None else None
-    received = stats.received if stats is not None else []
     out["plan_stats"] = plan.stats
-    out["new_rank"] = new_rank
+    # the old state is no longer needed anywhere: every slice is in the new model now
+    arena, held, trainee, state, stats, needed = None, [], None, None, None, []
+    gc.collect()
     if new_rank is None:  # leaving or idle: pieces handed over, done
         _close(baseline)
         out["role"] = "leaving" if index in leave else "idle"
         progress("done")
         return out
     out["role"] = "new"
-    # the old model (``held``) stays alive until the P2P restore has copied the local
-    # slices out
-    # ---------------------------------------------------------------- 2. new world
+    # ---------------------------------------------------------------- 3. new world
     if scalars is None or index != 0:
         scalars = json.loads(ctx.store.get("bench/scalars"))
-    progress("build-new")
-    parallel.init_parallel(new, new_rank, new.world_size, ctx.store, 2, timeout_s=timeout)
+    restore_s, _ = _timed_barrier_max(lambda: restore_scalars(p2p_model, scalars))
+    out["restore_seconds"] = restore_s
+    p2p_live = local_state(p2p_model)
+    _check_holdings(spec, new, new_rank, optimizer, p2p_live.pieces, "new")
+    p2p_prints = {p: _fingerprint(v) for p, v in p2p_live.items()}
+    if c.get("verify_global", True):
+        reference = GlobalState(work / "global")
+        bad = [p for p, v in p2p_live.items() if not _bits_equal(v, reference.expected(p))]
+        out["p2p_equals_pre_migration"] = not bad
+        out["mismatch_p2p_vs_pre_migration"] = [p.to_json() for p in bad[:5]]
+    p2p_live = None
+    # checkpoint path: build, load (timed, repeat times), compare with P2P, train, free
     ckpt_path = ckpt_root / f"save{repeat - 1}"
-    steps_after = int(c.get("steps_after", 2))
-    # checkpoint path: load (timed, repeat times), compare, train
     if not use_ckpt:
         baseline = _NoCheckpoint(work, scalars)
+    progress("build-checkpoint")
     ckpt_model = build_gpt(spec, new, optimizer, seed, hyper=hyper)
     loads = []
     for rep in range(repeat):
@@ -230,39 +279,16 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         seconds, _ = _timed_barrier_max(lambda m=ckpt_model: baseline.load(m, ckpt_path))
         loads.append(seconds)
     out["checkpoint_load_seconds"] = loads
-    live = local_state(ckpt_model)
-    _check_holdings(spec, new, new_rank, optimizer, live.pieces, "new")
-    # Fingerprint the checkpoint result, train it, free it: three models of this size
-    # (old, checkpoint, P2P) at once do not fit 4 processes in 24 GiB.
-    ckpt_prints = {p: _fingerprint(v) for p, v in live.items()}
-    live = None
-    import gc
-
+    mismatched = [p for p, v in local_state(ckpt_model).items()
+                  if _fingerprint(v) != p2p_prints.get(p)]
+    out["p2p_equals_checkpoint"] = not mismatched if use_ckpt else None
+    out["mismatch_p2p_vs_checkpoint"] = [p.to_json() for p in mismatched[:5]]
     losses_ckpt = []
     for step in range(steps_after):
         progress("train-checkpoint", step=step)
         losses_ckpt.append(train_step(ckpt_model))
     out["losses_checkpoint"] = losses_ckpt
     ckpt_model = None
-    gc.collect()
-    # P2P path: build, restore local slices (old model) + received slices (timed)
-    p2p_model = build_gpt(spec, new, optimizer, seed, hyper=hyper)
-    restore_s, _ = _timed_barrier_max(lambda m=p2p_model: fill(
-        local_state(m).items(), local_slices, held, received, f"rank {new_rank} (P2P)"))
-    restore_scalars(p2p_model, scalars)
-    out["restore_seconds"] = restore_s
-    p2p_live = local_state(p2p_model)
-    mismatched = [p for p, v in p2p_live.items() if _fingerprint(v) != ckpt_prints.get(p)]
-    out["p2p_equals_checkpoint"] = not mismatched if use_ckpt else None
-    out["mismatch_p2p_vs_checkpoint"] = [p.to_json() for p in mismatched[:5]]
-    if c.get("verify_global", True):
-        reference = GlobalState(work / "global")
-        bad = [p for p, v in p2p_live.items() if not _bits_equal(v, reference.expected(p))]
-        out["p2p_equals_pre_migration"] = not bad
-        out["mismatch_p2p_vs_pre_migration"] = [p.to_json() for p in bad[:5]]
-    # the old state is no longer needed on this device
-    held, trainee, state, received, stats = [], None, None, [], None
-    p2p_live = None
     gc.collect()
     losses_p2p = []
     for step in range(steps_after):
@@ -305,21 +331,21 @@ def _check_holdings(spec: GPTSpec, cfg: ParallelConfig, rank: int, optimizer: st
         )
 
 
-def _pair_bandwidth(index: int, mbytes: int) -> dict[str, float] | None:
-    """Best-of-3 one-way bandwidth rank 0 -> rank 1 in the current world."""
+def _pair_bandwidth(xg: Any, index: int, mbytes: int, timeout: float) -> dict[str, float]:
+    """Best-of-3 one-way bandwidth rank 0 -> rank 1 on the exchange group (resident
+    buffers on both ends)."""
     buf = torch.ones(mbytes << 20, dtype=torch.uint8)
+    wait = timedelta(seconds=timeout)
     best = float("inf")
     for _ in range(3):
-        dist.barrier()
+        _group_max(xg, 0.0, timeout)
         t0 = time.perf_counter()
         if index == 0:
-            dist.send(buf, 1)
+            xg.send([buf], 1, 0).wait(wait)
         elif index == 1:
-            dist.recv(buf, 0)
-        dist.barrier()
-        best = min(best, time.perf_counter() - t0)
+            xg.recv([buf], 0, 0).wait(wait)
+        best = min(best, _group_max(xg, time.perf_counter() - t0, timeout))
     return {"bytes": buf.numel(), "seconds": best, "gbps": buf.numel() / best / 1e9}
-
 
 
 class _NoCheckpoint:
@@ -332,6 +358,9 @@ class _NoCheckpoint:
 
     def save(self, trainee: Any, path: Path) -> None:
         del trainee, path
+
+    def close(self) -> None:
+        """Nothing to stop: no writer was started."""
 
     def load(self, trainee: Any, path: Path) -> None:
         from etcslurm.megatron.scalars import restore_scalars

@@ -206,7 +206,7 @@ class LocalRun:
         if event.action == "join":
             self.spawn_joiners(event.count)
             return
-        if event.action == "killjoiner":  # armed: fires at the next generation with joiners
+        if event.action == "killjoiner":  # armed: fires once a joiner reports received bytes
             self.kill_joiners += event.count
             return
         victims = self._victims(event.count)
@@ -222,6 +222,20 @@ class LocalRun:
                 wp.proc.send_signal(signal.SIGKILL)
             else:
                 wp.proc.send_signal(signal.SIGUSR2)
+
+    def _kill_receiving_joiner(self, progress: dict[str, Any]) -> None:
+        """``killjoiner`` (armed by the schedule): SIGKILL a joiner of the current resize
+        once it reports received bytes -- mid-migration, not before it starts."""
+        rec = self.record or {}
+        wid = progress.get("worker")
+        if (self.kill_joiners <= 0 or rec.get("kind") != "resize"
+                or wid not in (rec.get("joining") or []) or not progress.get("recv")):
+            return
+        wp = self.by_worker.get(wid)
+        if wp is not None and not wp.killed and wp.proc.poll() is None:
+            wp.killed, wp.signalled_at = True, time.time()
+            wp.proc.send_signal(signal.SIGKILL)
+            self.kill_joiners -= 1
 
     def poll_events(self, block_ms: int = 200) -> None:
         for ev in self.coord.read_events(self.last_id, block_ms=block_ms):
@@ -245,12 +259,6 @@ class LocalRun:
                     continue  # the closing record that sends waiting joiners home
                 self.record = latest
                 rec = self.record or {}
-                for wid in list(rec.get("joining") or [])[: self.kill_joiners]:
-                    wp = self.by_worker.get(wid)
-                    if wp is not None and rec.get("kind") == "resize":
-                        wp.killed, wp.signalled_at = True, time.time()
-                        wp.proc.send_signal(signal.SIGKILL)
-                        self.kill_joiners -= 1
                 self.result.generations.append({
                     "generation": rec.get("generation"), "kind": rec.get("kind"),
                     "from": rec.get("from"), "to": rec.get("to"), "world": rec.get("world"),
@@ -262,6 +270,7 @@ class LocalRun:
                 })
             elif kind in ("migration.progress", "migration.rebuild"):
                 self.migration_events.append(ev)
+                self._kill_receiving_joiner(data)
             elif kind == "migration.done":
                 self.result.migrations.append({
                     k: data.get(k) for k in ("gen", "from", "to", "seconds", "moved_bytes",

@@ -6,9 +6,10 @@ and hands it to the training loop.  At every step boundary (:meth:`ElasticSessio
 the world agrees, with one tiny all-reduce, whether anything changed: a worker got a
 preemption signal, new workers are ready to join, a worker died, or an operator asked.
 If so the leader publishes the next generation, every participant replays the planner on
-it, the state moves peer to peer (coalesced, checksummed), the leavers exit, and the new
-world rebuilds its process groups and megatron-core ``parallel_state`` and goes on at the
-same step with the same global batch.
+it, the new world forms (process groups, megatron-core ``parallel_state``) and builds its
+model, the state moves peer to peer straight into that model (coalesced, checksummed, on
+an exchange group of old members + joiners), the new world commits, the leavers exit, and
+training goes on at the same step with the same global batch.
 
 The typical loop (see the README)::
 
@@ -175,6 +176,11 @@ class ElasticSession:
         self._data_log: Any = None
         self._held: list[tuple[Any, torch.Tensor]] | None = None
         self._held_scalars: dict[str, Any] | None = None
+        #: the longest world formation + model build seen: how long the members of an
+        #: exchange group may take to arrive (they build the new model first)
+        self._build_seconds = 0.0
+        #: the staging arena, kept from one migration to the next (resident memory)
+        self._arena: torch.Tensor | None = None
         self._backlog: deque[tuple[float, str, dict[str, Any]]] = deque()
         self._dropped_events = 0
         self._coord_failed_at: float | None = None
@@ -558,8 +564,10 @@ class ElasticSession:
             self._wait_to_join(after=int(record["generation"]))
             return
         config = ParallelConfig.parse(record["to"])
+        t_b = time.perf_counter()
         self._init_world(record, config)
         self.trainee = self.build(self.cfg.spec, config, self.cfg)
+        self._build_seconds = max(self._build_seconds, time.perf_counter() - t_b)
         if record.get("resume"):
             from etcslurm.baseline.checkpoint import load_checkpoint
 
@@ -571,10 +579,12 @@ class ElasticSession:
         self.reports.append(report)
 
     def _enter_resize(self, record: dict[str, Any]) -> None:
-        """The state exchange in the union world, then the new world's rebuild."""
+        """The new world and its model first, then the state exchange straight into it (on
+        a group of old members + joiners of its own), then the commit."""
         from etcslurm.core.planner import plan
+        from etcslurm.megatron.adapter import finish_restore, local_state
         from etcslurm.transfer import groups
-        from etcslurm.transfer.executor import execute
+        from etcslurm.transfer.executor import execute, staging_arena
 
         assert self.coord is not None and self._store is not None
         cfg = self.cfg
@@ -593,10 +603,8 @@ class ElasticSession:
         union = record["union"]
         new_cfg = ParallelConfig.parse(record["to"])
         new_rank = self._my_rank(record)
+        # the old model stays alive (and readable through these views) until the commit
         held = self._holdings()[0]
-        # What arrives from others stays in its (verified) receive buffer and slices this
-        # worker already holds stay in the old model: both are copied once, straight into
-        # the new model when it is built, so the old model stays alive until then.
         local_slices = list(migration.local.get(me, [])) if new_rank is not None else []
         my_msgs = [m for m in migration.messages if me in (m.src, m.dst) and m.src != m.dst]
         total_send = sum(m.nbytes for m in my_msgs if m.src == me)
@@ -610,27 +618,55 @@ class ElasticSession:
                             sent=min(done["sent"], total_send), recv=min(done["recv"], total_recv),
                             total_send=total_send, total_recv=total_recv)
 
+        old_rank, old_trainee = self.rank, self.trainee
+        fresh: Any = None
+        t_r = time.perf_counter()
+        if new_rank is None:
+            groups.teardown()  # a leaver (or idle): it only needs the exchange group
+        else:
+            try:
+                fresh = self._build_new(record, new_rank, new_cfg)
+            except (RuntimeError, dist.DistError, WaitTimeout) as exc:
+                # a peer was lost while the new world formed: nothing was exchanged, every
+                # old member still holds the old generation
+                self.rank, self.trainee = old_rank, old_trainee
+                self._fall_back(exc, record, f"new world of generation {gen} failed to form")
+                return
+        build_s = time.perf_counter() - t_r
         progress({})
         t_x = time.perf_counter()
+        exchange = None
+        self._arena = staging_arena(migration.messages, me, self._arena, _state_device())
         try:
-            groups.configure(self._store, f"{gen}m", union.index(self.worker_id), len(union),
-                             timeout=cfg.collective_timeout)
+            # the others may still be building their model: wait for that too
+            exchange = groups.exchange_group(
+                self._store, gen, union.index(self.worker_id), len(union),
+                timeout=cfg.collective_timeout + 2 * self._build_seconds)
             stats = execute(
-                migration.messages, [], me, {ids[w]: i for i, w in enumerate(union)}, held,
-                None, staging_cap=cfg.staging_bytes, timeout=cfg.collective_timeout,
-                progress=_test_delay_after_first_round(progress),
+                migration.messages, local_slices, me, {ids[w]: i for i, w in enumerate(union)},
+                held, local_state(fresh).items() if fresh is not None else [],
+                staging_cap=cfg.staging_bytes, timeout=cfg.collective_timeout, group=exchange,
+                arena=self._arena, progress=_test_delay_after_first_round(progress),
             )
+            transfer_s = time.perf_counter() - t_x
+            groups.close_exchange_group(exchange)
+            exchange = None
+            t_f = time.perf_counter()
+            if fresh is not None:
+                finish_restore(fresh, record["scalars"])
+                dist.barrier()  # past it, every new member is complete
+            build_s += time.perf_counter() - t_f
         except (RuntimeError, dist.DistError, MigrationError, WaitTimeout) as exc:
-            # a peer died mid-exchange: nothing was applied anywhere (the new model is
-            # only built afterwards)
+            # a peer died before the commit: nothing was applied to the old model (the
+            # state went into the new one), so everyone goes back to the old generation
+            groups.close_exchange_group(exchange)
+            self.rank, self.trainee = old_rank, old_trainee
             self._fall_back(exc, record, f"migration to generation {gen} failed")
             return
-        transfer_s = time.perf_counter() - t_x
-        groups.teardown()
         old_layout = record["from"]
         if new_rank is None:
             # a leaver (or a worker no layout uses now): its state stays until the new world
-            # is committed, so that a failed rebuild can fall back to the old generation
+            # is committed, so that a failed change can fall back to the old generation
             self.coord.emit("migration.progress", gen=gen, worker=self.worker_id, rank=None,
                             sent=total_send, recv=total_recv, total_send=total_send,
                             total_recv=total_recv)
@@ -645,26 +681,16 @@ class ElasticSession:
             self.record = None  # idle: no layout uses this worker now; wait as a standby
             self._wait_to_join(after=gen)
             return
-        t_r = time.perf_counter()
-        old_rank, old_trainee = self.rank, self.trainee
-        try:
-            self._rebuild(record, new_rank, new_cfg, held, local_slices, stats.received)
-        except (RuntimeError, dist.DistError, WaitTimeout) as exc:
-            # a peer was lost while the new world formed: nobody has committed it, every
-            # old member still holds the old generation (leavers wait for the commit)
-            self.rank, self.trainee = old_rank, old_trainee
-            self._fall_back(exc, record, f"new world of generation {gen} failed to form")
-            return
-        del stats.received[:], held, old_trainee
+        self.trainee = fresh
+        del held, old_trainee
         self._held, self._held_scalars = None, None
-        rebuild_s = time.perf_counter() - t_r
         self.record = record
         self.coord.set_state(ACTIVE, rank=self.rank, generation=gen)
         if self.rank == 0:  # past the new world's barrier: every member is complete
             self.coord.commit_generation(gen)
         report = MigrationReport(
             gen, "resize", old_layout, record["to"], seconds=time.perf_counter() - t0,
-            transfer_seconds=transfer_s, rebuild_seconds=rebuild_s,
+            transfer_seconds=transfer_s, rebuild_seconds=build_s,
             moved_bytes=int(migration.stats.get("moved_bytes", 0)),
             local_bytes=int(migration.stats.get("local_bytes", 0)),
             sent_bytes=stats.bytes_sent, received_bytes=stats.bytes_received,
@@ -677,7 +703,7 @@ class ElasticSession:
                 "migration.done", gen=gen, seconds=report.seconds,
                 moved_bytes=report.moved_bytes, local_bytes=report.local_bytes,
                 checkpoint_bytes=0, pause_seconds=report.pause_seconds,
-                transfer_seconds=transfer_s, rebuild_seconds=rebuild_s,
+                transfer_seconds=transfer_s, rebuild_seconds=build_s,
                 **{"from": old_layout, "to": record["to"]},
             )
         self._change_started = None
@@ -713,26 +739,20 @@ class ElasticSession:
             self._held_scalars = extract_scalars(self.trainee)
         return self._held, self._held_scalars
 
-    def _rebuild(self, record: dict[str, Any], new_rank: int, new_cfg: ParallelConfig,
-                 held: list[tuple[Any, torch.Tensor]], local_slices: list[Any],
-                 received: list[tuple[Any, torch.Tensor]]) -> None:
-        """Form the new world, build the model for its layout and fill it: slices this
-        worker held are copied from the old model, the rest from the received buffers.
-        Ends with a barrier of the new world: past it, every new member is complete."""
-        from etcslurm.megatron.adapter import finish_restore, local_state
-        from etcslurm.transfer.executor import fill
-
+    def _build_new(self, record: dict[str, Any], new_rank: int, new_cfg: ParallelConfig) -> Any:
+        """Form the new world and build the (empty) model and optimizer of its layout; the
+        exchange then writes the state straight into it.  Not yet ``self.trainee``: the
+        old model stays this worker's until the change is committed."""
         gen = int(record["generation"])
         assert self.coord is not None
         self.coord.emit("migration.rebuild", gen=gen, worker=self.worker_id, rank=new_rank)
         _test_delay("ETCSLURM_TEST_REBUILD_DELAY")
         self.rank = new_rank
+        t0 = time.perf_counter()
         self._init_world(record, new_cfg)
-        self.trainee = self.build(self.cfg.spec, new_cfg, self.cfg)
-        fill(local_state(self.trainee).items(), local_slices, held, received,
-             f"generation {gen}, rank {new_rank}")
-        finish_restore(self.trainee, record["scalars"])
-        dist.barrier()
+        fresh = self.build(self.cfg.spec, new_cfg, self.cfg)
+        self._build_seconds = max(self._build_seconds, time.perf_counter() - t0)
+        return fresh
 
     def _await_commit(self, record: dict[str, Any]) -> dict[str, Any] | None:
         """A worker leaving the world waits until the new world has committed ``record``
@@ -880,6 +900,13 @@ class ElasticSession:
             "dp": dp, "dp_rank": dp_rank, "start": start, "stop": start + per,
             "loss": loss, "worker": self.worker_id,
         }) + "\n")
+
+
+def _state_device() -> torch.device:
+    """Where the model state lives: this process's GPU under NCCL, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _test_delay(variable: str) -> None:

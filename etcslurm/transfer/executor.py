@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -67,16 +67,9 @@ class TransferStats:
     unpack_seconds: float = 0.0
     local_seconds: float = 0.0
     per_round: list[dict[str, Any]] = field(default_factory=list)
-    #: with ``needed=None``: (piece, view into its verified receive buffer) of every
-    #: received slice -- the caller copies them where they belong (not in to_json)
-    received: list[tuple[Piece, torch.Tensor]] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        # not asdict(): it would deep-copy ``received`` -- and deep-copying a view copies
-        # its whole buffer, once per slice (measured: 9 GB on a 1 GB migration)
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "received"}
-        out["per_round"] = [dict(r) for r in self.per_round]
-        return out
+        return asdict(self)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -149,6 +142,23 @@ def staging_bytes_per_round(messages: Iterable[MessageLike], device: str) -> dic
     return dict(out)
 
 
+def staging_arena(messages: Iterable[MessageLike], device: str, reuse: torch.Tensor | None,
+                  on: torch.device | str = "cpu") -> torch.Tensor:
+    """The staging arena ``device`` needs for ``messages``: ``reuse`` when it is large
+    enough and on ``on``, else a new one, zeroed so that its pages are resident before any
+    transfer uses them.
+
+    Why keep one: receiving into (or packing into) memory the process has not touched yet
+    faults every page inside the copy; measured here, that made the exchange 2.4-4x slower
+    (docs/migration.md).  A trainer keeps its arena from one migration to the next.
+    """
+    need = max(staging_bytes_per_round(messages, device).values(), default=0)
+    on = torch.device(on)
+    if reuse is not None and reuse.numel() >= need and reuse.device == on:
+        return reuse
+    return torch.zeros(need, dtype=torch.uint8, device=on)
+
+
 def checksum(buf: torch.Tensor) -> torch.Tensor:
     """Wrapping 64-bit sum of a uint8 buffer (length a multiple of 8) as int64 words."""
     return buf.view(torch.int64).sum(dtype=torch.int64)
@@ -165,12 +175,13 @@ def execute(
     device: str,
     ranks: Mapping[str, int],
     held: Iterable[tuple[Piece, torch.Tensor]],
-    needed: Iterable[tuple[Piece, torch.Tensor]] | None,
+    needed: Iterable[tuple[Piece, torch.Tensor]],
     *,
     staging_cap: int | None = None,
     timeout: float = 60.0,
     progress: ProgressFn | None = None,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | dist.Backend | None = None,
+    arena: torch.Tensor | None = None,
     corrupt: Callable[[MessageLike, torch.Tensor], None] | None = None,
 ) -> TransferStats:
     """Run every message and local copy of ``device`` in the plan.
@@ -178,22 +189,20 @@ def execute(
     ``messages``: all messages of the plan (others' are ignored); ``local``: the slices this
     device copies from its own holdings; ``ranks``: device id -> rank in the exchange group;
     ``held``/``needed``: this device's (Piece, view) pairs (sources / destinations).
-    ``needed=None`` (no local slices then): each message is received into a buffer of
-    its own and, once verified, left there: ``stats.received`` lists a typed view per
-    slice, so a caller that has to copy the slices anyway (into a model built after the
-    exchange) saves the unpack copy; the arena then stages only the sends.
     ``staging_cap``: bytes; a round that needs more raises before anything moves.
     ``progress`` gets a dict per round (round, rounds, bytes_sent, bytes_received, ...).
+    ``group``: the default world (None), a registered group, or a bare backend from
+    :func:`etcslurm.transfer.groups.exchange_group` (``ranks`` are then its ranks).
+    ``arena``: a uint8 buffer the caller keeps between migrations (memory already
+    resident: receiving into fresh pages costs 2.4-2.7x, docs/migration.md); used when it
+    is large enough, else a new one is allocated.
     ``corrupt`` is a test hook applied to each received buffer before verification.
     """
     start = time.perf_counter()
     stats = TransferStats(device=device)
     mine = [m for m in messages if device in (m.src, m.dst) and m.src != m.dst]
-    keep = needed is None
-    if keep and local:
-        raise MigrationError(f"{device}: local slices need destinations (needed=None)")
     held_ix = ViewIndex(held, f"held ({device})")
-    needed_ix = ViewIndex(needed or [], f"needed ({device})")
+    needed_ix = ViewIndex(needed, f"needed ({device})")
     by_round: dict[int, list[MessageLike]] = defaultdict(list)
     for msg in mine:
         by_round[msg.round].append(msg)
@@ -201,9 +210,6 @@ def execute(
     stats.rounds = len(all_rounds)
     per_round = staging_bytes_per_round(mine, device)
     arena_bytes = max(per_round.values(), default=0)
-    if keep:  # only the sends are staged in the arena
-        sends = staging_bytes_per_round([m for m in mine if m.src == device], device)
-        arena_bytes = max(sends.values(), default=0)
     if staging_cap is not None and arena_bytes > staging_cap:
         worst = max(per_round, key=per_round.__getitem__)
         raise MigrationError(
@@ -211,24 +217,22 @@ def execute(
             f"{staging_cap} (the plan's rounds do not respect the cap)"
         )
     dev = _device_of(needed_ix, held_ix)
-    arena = torch.empty(arena_bytes, dtype=torch.uint8, device=dev)
+    if arena is None or arena.numel() < arena_bytes or arena.device != dev:
+        arena = torch.empty(arena_bytes, dtype=torch.uint8, device=dev)
     stats.peak_staging_bytes = arena_bytes
     wait_for = timedelta(seconds=timeout)
 
     for index, rnd in enumerate(all_rounds):
         t_round = time.perf_counter()
-        ops: list[dist.P2POp] = []
+        ops: list[tuple[bool, torch.Tensor, int]] = []  # (send?, buffer, peer rank)
         recvs: list[tuple[MessageLike, _Layout, torch.Tensor]] = []
         sent = received = 0
         pos = 0
         # deterministic order: by (peer rank, direction) so both ends post the same pairs
         for msg in sorted(by_round.get(rnd, []), key=lambda m: (m.src, m.dst)):
             layout = message_layout(msg.slices)
-            if keep and msg.dst == device:
-                buf = torch.empty(layout.size, dtype=torch.uint8, device=dev)
-            else:
-                buf = arena[pos : pos + layout.size]
-                pos += -(-layout.size // _ALIGN) * _ALIGN
+            buf = arena[pos : pos + layout.size]
+            pos += -(-layout.size // _ALIGN) * _ALIGN
             if msg.src == device:
                 t0 = time.perf_counter()
                 for piece, off in zip(msg.slices, layout.offsets, strict=True):
@@ -237,16 +241,16 @@ def execute(
                 t0 = time.perf_counter()
                 buf[layout.payload :].view(torch.int64).fill_(checksum(buf[: layout.payload]))
                 stats.checksum_seconds += time.perf_counter() - t0
-                ops.append(dist.P2POp(dist.isend, buf, _rank(ranks, msg.dst), group))
+                ops.append((True, buf, _rank(ranks, msg.dst)))
                 sent += layout.payload
                 stats.messages_sent += 1
             else:
-                ops.append(dist.P2POp(dist.irecv, buf, _rank(ranks, msg.src), group))
+                ops.append((False, buf, _rank(ranks, msg.src)))
                 recvs.append((msg, layout, buf))
                 received += layout.payload
                 stats.messages_received += 1
         t0 = time.perf_counter()
-        works = dist.batch_isend_irecv(ops) if ops else []
+        works = _post(ops, group) if ops else []
         stats.comm_seconds += time.perf_counter() - t0
         if index == 0:  # local copies overlap with the first round's transfer
             t0 = time.perf_counter()
@@ -292,10 +296,7 @@ def execute(
                 )
             t0 = time.perf_counter()
             for piece, off in zip(msg.slices, layout.offsets, strict=True):
-                if keep:
-                    stats.received.append((piece, _typed(buf, off, piece)))
-                else:
-                    needed_ix.view(piece).copy_(_typed(buf, off, piece))
+                needed_ix.view(piece).copy_(_typed(buf, off, piece))
             stats.unpack_seconds += time.perf_counter() - t0
         stats.bytes_sent += sent
         stats.bytes_received += received
@@ -318,45 +319,32 @@ def execute(
     return stats
 
 
-def fill(
-    destination: Iterable[tuple[Piece, torch.Tensor]],
-    local: Iterable[Piece],
-    held: Iterable[tuple[Piece, torch.Tensor]],
-    received: Iterable[tuple[Piece, torch.Tensor]],
-    what: str = "new state",
-) -> int:
-    """Fill ``destination`` (the views of a freshly built model) after an exchange run with
-    ``needed=None``: ``local`` slices are copied from ``held`` (the old model), the others
-    from ``received`` (``stats.received``).  The slices must cover ``destination`` exactly
-    (checked before anything is copied); returns the bytes copied."""
-    destination, local, received = list(destination), list(local), list(received)
-    total = sum(p.nbytes for p, _ in destination)
-    filled = sum(p.nbytes for p in local) + sum(p.nbytes for p, _ in received)
-    if filled != total:
-        raise MigrationError(
-            f"{what}: the plan fills {filled} of the {total} bytes it holds "
-            "(the plan does not cover its state)"
-        )
-    fresh = ViewIndex(destination, what)
-    old = ViewIndex(held, "old model")
-    for piece in local:
-        fresh.view(piece).copy_(old.view(piece))
-    for piece, tensor in received:
-        fresh.view(piece).copy_(tensor)
-    return filled
-
-
 def execute_plan(
     plan: Any,
     device: str,
     ranks: Mapping[str, int],
     held: Iterable[tuple[Piece, torch.Tensor]],
-    needed: Iterable[tuple[Piece, torch.Tensor]] | None,
+    needed: Iterable[tuple[Piece, torch.Tensor]],
     **kwargs: Any,
 ) -> TransferStats:
     """:func:`execute` for a core ``MigrationPlan`` (``messages`` and ``local[device]``)."""
     local = plan.local.get(device, []) if isinstance(plan.local, Mapping) else []
     return execute(plan.messages, local, device, ranks, held, needed, **kwargs)
+
+
+def _post(ops: Sequence[tuple[bool, torch.Tensor, int]],
+          group: dist.ProcessGroup | dist.Backend | None) -> list[Any]:
+    """Post a round's sends and receives at once.  A world or registered group goes through
+    ``batch_isend_irecv`` (NCCL coalesces them into one group call); a bare backend gets
+    them posted directly, in the same order on both ends of every pair (the messages are
+    sorted by (src, dst) everywhere), so even uncoalesced NCCL cannot deadlock."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return dist.batch_isend_irecv([
+            dist.P2POp(dist.isend if send else dist.irecv, buf, peer, group)
+            for send, buf, peer in ops
+        ])
+    return [group.send([buf], peer, 0) if send else group.recv([buf], peer, 0)
+            for send, buf, peer in ops]
 
 
 def _rank(ranks: Mapping[str, int], device: str) -> int:

@@ -98,6 +98,76 @@ def configure(
     _CURRENT.update(generation=generation, rank=rank, world_size=world_size, backend=backend)
 
 
+def exchange_group(
+    store: dist.Store,
+    generation: int | str,
+    rank: int,
+    size: int,
+    backend: str | None = None,
+    timeout: float = 60.0,
+) -> dist.Backend:
+    """A process group of its own over the devices that exchange state, outside the
+    default world.
+
+    Why: megatron-core modules keep the groups of the world they were built in, and that
+    world (the new layout) does not contain leaving devices.  With the exchange on a group
+    of its own, the new world is formed and the new model built *before* the exchange,
+    and the state is received straight into the new model's (already resident) memory
+    instead of into fresh buffers copied afterwards.  The group is a bare
+    ``ProcessGroupGloo``/``ProcessGroupNCCL`` backend on
+    ``PrefixStore(f"exchange{generation}", store)``; :func:`~etcslurm.transfer.executor.execute`
+    takes it as ``group``.  It ends with a one-element all-reduce that proves every member
+    arrived (NCCL also needs every rank in a group's first collective).  Drop it with
+    :func:`close_exchange_group`.
+    """
+    if size < 1 or not 0 <= rank < size:
+        raise MigrationError(f"exchange {generation}: rank {rank} outside group of {size}")
+    backend = backend or default_backend()
+    prefix = dist.PrefixStore(f"exchange{generation}", store)
+    wait = timedelta(seconds=timeout)
+    try:
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = wait
+            pg: dist.Backend = dist.ProcessGroupNCCL(prefix, rank, size, options)
+            probe = torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()))
+        else:
+            pg = dist.ProcessGroupGloo(prefix, rank, size, wait)
+            probe = torch.ones(1)
+        group_max(pg, probe, timeout)
+    except (RuntimeError, dist.DistError) as exc:
+        raise WaitTimeout(
+            f"exchange {generation}: rank {rank} of {size} could not form the {backend} "
+            f"exchange group within {timeout:.0f} s: {exc}"
+        ) from exc
+    if int(probe.item()) != 1:
+        raise MigrationError(f"exchange {generation}: probe all-reduce returned {probe.item()}")
+    return pg
+
+
+def group_max(pg: dist.Backend, tensor: torch.Tensor, timeout: float) -> torch.Tensor:
+    """In-place all-reduce (MAX) of ``tensor`` over a bare backend, bounded by ``timeout``."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    if not pg.allreduce([tensor], opts).wait(timedelta(seconds=timeout)):
+        raise WaitTimeout(f"all-reduce on the exchange group did not finish in {timeout:.0f} s")
+    return tensor
+
+
+def close_exchange_group(pg: dist.Backend | None) -> None:
+    """Release an exchange group's connections now (NCCL: abort its communicators)."""
+    if pg is None:
+        return
+    try:
+        if isinstance(pg, getattr(dist, "ProcessGroupNCCL", ())):
+            pg.abort()
+        else:
+            pg.shutdown()
+    except (RuntimeError, AttributeError):
+        pass
+    gc.collect()
+
+
 def configure_local(timeout: float = 60.0) -> None:
     """A world of one (this process alone, gloo, in-memory store): for libraries that ask
     for a rank after the real world is gone (e.g. closing megatron's checkpoint writer)."""
