@@ -112,3 +112,20 @@ def test_plan_mismatch_is_named() -> None:
     held = [(Piece("t0", ((0, 2), (0, 2)), "float32"), global_tensor("t0")[:2, :2])]
     with pytest.raises(MigrationError, match=r"no held \(1\) piece contains t0"):
         execute([msg], [], "1", {"0": 0, "1": 1}, held, [])
+
+
+def test_exchange_group_whose_peer_never_arrives_fails_bounded_and_named() -> None:
+    import time
+
+    import torch.distributed as dist
+
+    from etcslurm.errors import WaitTimeout
+    from etcslurm.transfer import groups
+
+    before = groups.resource_usage()
+    t0 = time.perf_counter()
+    with pytest.raises(WaitTimeout, match=r"exchange g7: rank 0 of 2 could not form the gloo"):
+        groups.exchange_group(dist.HashStore(), "g7", 0, 2, "gloo", timeout=2)
+    assert time.perf_counter() - t0 < 15
+    after = groups.resource_usage()
+    assert after["fds"] <= before["fds"] + 1

@@ -10,8 +10,8 @@ long-lived store (e.g. the coordinator's Redis store or a ``TCPStore``), so keys
 old generation can never be mistaken for the new one.  Subgroups are created with all
 ranks participating (``use_local_synchronization=True`` can hang in gloo).
 
-Worlds are started and torn down by ``etcslurm/transfer/groups.py`` (also used for the
-union world while state moves); :func:`teardown` is registered there as a teardown hook,
+Worlds are started and torn down by ``etcslurm/transfer/groups.py`` (which also forms
+the exchange group that moves the state); :func:`teardown` is registered there as a teardown hook,
 so there is one lifecycle implementation.
 """
 

@@ -125,17 +125,19 @@ def exchange_group(
     backend = backend or default_backend()
     prefix = dist.PrefixStore(f"exchange{generation}", store)
     wait = timedelta(seconds=timeout)
+    pg: dist.Backend | None = None
     try:
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = wait
-            pg: dist.Backend = dist.ProcessGroupNCCL(prefix, rank, size, options)
+            pg = dist.ProcessGroupNCCL(prefix, rank, size, options)
             probe = torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()))
         else:
             pg = dist.ProcessGroupGloo(prefix, rank, size, wait)
             probe = torch.ones(1)
         group_max(pg, probe, timeout)
-    except (RuntimeError, dist.DistError) as exc:
+    except (RuntimeError, dist.DistError, WaitTimeout) as exc:
+        close_exchange_group(pg)  # a half-formed group must not keep its sockets
         raise WaitTimeout(
             f"exchange {generation}: rank {rank} of {size} could not form the {backend} "
             f"exchange group within {timeout:.0f} s: {exc}"
