@@ -63,7 +63,11 @@ torch.cuda.synchronize()
 print(f"megatron-core GPT on CUDA: 3 steps in {time.perf_counter()-t0:.2f} s, losses {losses}")
 state = local_state(tr)
 dst = [(p, torch.empty_like(v)) for p, v in state.items()]
-stats = execute([], list(state.pieces), "0", {"0": 0}, state.items(), dst, timeout=60)
+# the exchange runs on a bare NCCL group of its own, outside the world (as the runtime and
+# the benchmark run it); a group of one here: formation, all-reduce probe, abort
+xg = groups.exchange_group(store, "gpu-check", 0, 1, "nccl", timeout=120)
+stats = execute([], list(state.pieces), "0", {"0": 0}, state.items(), dst, timeout=60, group=xg)
+groups.close_exchange_group(xg)
 assert all(torch.equal(a, b) for (_, a), (_, b) in zip(state.items(), dst))
 print(f"executor local copies on GPU: {stats.bytes_local/1e9:.3f} GB in {stats.local_seconds:.3f} s")
 groups.teardown()
