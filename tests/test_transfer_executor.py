@@ -10,6 +10,7 @@ from etcslurm.bench.synthetic import SynthMessage, global_tensor, needed_pieces,
 from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError
 from etcslurm.transfer.executor import (
+    check_fills,
     checksum,
     execute,
     message_layout,
@@ -129,3 +130,15 @@ def test_exchange_group_whose_peer_never_arrives_fails_bounded_and_named() -> No
     assert time.perf_counter() - t0 < 15
     after = groups.resource_usage()
     assert after["fds"] <= before["fds"] + 1
+
+
+def test_check_fills_refuses_a_plan_that_leaves_part_of_the_new_model_unwritten() -> None:
+    dest = [(Piece("w", ((0, 4),), "float32"), torch.zeros(4))]
+    local = [Piece("w", ((0, 2),), "float32")]
+    msg = SynthMessage(0, "1", "0", (Piece("w", ((2, 4),), "float32"),))
+    assert check_fills(dest, local, [msg], "0") == 16
+    with pytest.raises(MigrationError, match="fills 8 of the 16 bytes"):
+        check_fills(dest, local, [], "0")
+    other = SynthMessage(0, "1", "2", (Piece("w", ((2, 4),), "float32"),))  # not for "0"
+    with pytest.raises(MigrationError, match="fills 8 of the 16 bytes"):
+        check_fills(dest, local, [other], "0")

@@ -49,7 +49,7 @@ from etcslurm.core.models import GPTSpec
 from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError, StateLostError
 from etcslurm.transfer import groups
-from etcslurm.transfer.executor import execute, staging_arena
+from etcslurm.transfer.executor import check_fills, execute, staging_arena
 
 
 def _max(value: float) -> float:
@@ -227,6 +227,7 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         out["plan_seconds"] = plan_seconds
         local_slices = list(plan.local.get(device, [])) if new_rank is not None else []
         needed = local_state(p2p_model).items() if p2p_model is not None else []
+        check_fills(needed, local_slices, plan.messages, device, f"rank {new_rank} (P2P)")
         p2p_times, stats = [], None
         for rep in range(repeat):
             def run(rep: int = rep) -> Any:

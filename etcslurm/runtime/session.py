@@ -584,7 +584,7 @@ class ElasticSession:
         from etcslurm.core.planner import plan
         from etcslurm.megatron.adapter import finish_restore, local_state
         from etcslurm.transfer import groups
-        from etcslurm.transfer.executor import execute, staging_arena
+        from etcslurm.transfer.executor import check_fills, execute, staging_arena
 
         assert self.coord is not None and self._store is not None
         cfg = self.cfg
@@ -637,6 +637,10 @@ class ElasticSession:
         t_x = time.perf_counter()
         exchange = None
         self._arena = staging_arena(migration.messages, me, self._arena, _state_device())
+        needed = local_state(fresh).items() if fresh is not None else []
+        # a plan that misses part of the new model is a bug, not a failure to fall back from
+        check_fills(needed, local_slices, migration.messages, me,
+                    f"generation {gen}, rank {new_rank}")
         try:
             # the others may still be building their model: wait for that too
             exchange = groups.exchange_group(
@@ -644,7 +648,7 @@ class ElasticSession:
                 timeout=cfg.collective_timeout + 2 * self._build_seconds)
             stats = execute(
                 migration.messages, local_slices, me, {ids[w]: i for i, w in enumerate(union)},
-                held, local_state(fresh).items() if fresh is not None else [],
+                held, needed,
                 staging_cap=cfg.staging_bytes, timeout=cfg.collective_timeout, group=exchange,
                 arena=self._arena, progress=_test_delay_after_first_round(progress),
             )

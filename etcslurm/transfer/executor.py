@@ -319,6 +319,31 @@ def execute(
     return stats
 
 
+def check_fills(
+    needed: Iterable[tuple[Piece, torch.Tensor]],
+    local: Iterable[Piece],
+    messages: Iterable[MessageLike],
+    device: str,
+    what: str = "new state",
+) -> int:
+    """Check, before anything moves, that the local slices and the messages to ``device``
+    cover every byte of ``needed`` (the views of a freshly built model, whose values are
+    only initialisation until then); returns those bytes.
+
+    The executor writes only planned slices, so a plan that misses a piece would leave it
+    silently at its initial values: this turns that into a :class:`MigrationError`.
+    """
+    total = sum(p.nbytes for p, _ in needed)
+    filled = sum(p.nbytes for p in local) + sum(
+        p.nbytes for m in messages if m.dst == device and m.src != device for p in m.slices)
+    if filled != total:
+        raise MigrationError(
+            f"{what}: the plan fills {filled} of the {total} bytes it holds "
+            "(the plan does not cover its state)"
+        )
+    return filled
+
+
 def execute_plan(
     plan: Any,
     device: str,
