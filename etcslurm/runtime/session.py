@@ -563,11 +563,7 @@ class ElasticSession:
         if self.rank is None:  # idle at start: wait to be taken in later
             self._wait_to_join(after=int(record["generation"]))
             return
-        config = ParallelConfig.parse(record["to"])
-        t_b = time.perf_counter()
-        self._init_world(record, config)
-        self.trainee = self.build(self.cfg.spec, config, self.cfg)
-        self._build_seconds = max(self._build_seconds, time.perf_counter() - t_b)
+        self.trainee = self._form_world_and_build(record, ParallelConfig.parse(record["to"]))
         if record.get("resume"):
             from etcslurm.baseline.checkpoint import load_checkpoint
 
@@ -636,7 +632,7 @@ class ElasticSession:
         progress({})
         t_x = time.perf_counter()
         exchange = None
-        self._arena = staging_arena(migration.messages, me, self._arena, _state_device())
+        self._arena = staging_arena(migration.messages, me, self._arena)
         needed = local_state(fresh).items() if fresh is not None else []
         # a plan that misses part of the new model is a bug, not a failure to fall back from
         check_fills(needed, local_slices, migration.messages, me,
@@ -752,11 +748,17 @@ class ElasticSession:
         self.coord.emit("migration.rebuild", gen=gen, worker=self.worker_id, rank=new_rank)
         _test_delay("ETCSLURM_TEST_REBUILD_DELAY")
         self.rank = new_rank
+        return self._form_world_and_build(record, new_cfg)
+
+    def _form_world_and_build(self, record: dict[str, Any], config: ParallelConfig) -> Any:
+        """Start this generation's world as ``self.rank`` and build the model and optimizer
+        of ``config``; the longest such start seen bounds how long exchange-group members
+        wait for each other (they all build first)."""
         t0 = time.perf_counter()
-        self._init_world(record, new_cfg)
-        fresh = self.build(self.cfg.spec, new_cfg, self.cfg)
+        self._init_world(record, config)
+        trainee = self.build(self.cfg.spec, config, self.cfg)
         self._build_seconds = max(self._build_seconds, time.perf_counter() - t0)
-        return fresh
+        return trainee
 
     def _await_commit(self, record: dict[str, Any]) -> dict[str, Any] | None:
         """A worker leaving the world waits until the new world has committed ``record``
@@ -904,13 +906,6 @@ class ElasticSession:
             "dp": dp, "dp_rank": dp_rank, "start": start, "stop": start + per,
             "loss": loss, "worker": self.worker_id,
         }) + "\n")
-
-
-def _state_device() -> torch.device:
-    """Where the model state lives: this process's GPU under NCCL, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _test_delay(variable: str) -> None:

@@ -143,17 +143,17 @@ def staging_bytes_per_round(messages: Iterable[MessageLike], device: str) -> dic
 
 
 def staging_arena(messages: Iterable[MessageLike], device: str, reuse: torch.Tensor | None,
-                  on: torch.device | str = "cpu") -> torch.Tensor:
+                  on: torch.device | str | None = None) -> torch.Tensor:
     """The staging arena ``device`` needs for ``messages``: ``reuse`` when it is large
-    enough and on ``on``, else a new one, zeroed so that its pages are resident before any
-    transfer uses them.
+    enough and on ``on`` (default: :func:`state_device`), else a new one, zeroed so that
+    its pages are resident before any transfer uses them.
 
     Why keep one: receiving into (or packing into) memory the process has not touched yet
     faults every page inside the copy; measured here, that made the exchange 2.4-4x slower
     (docs/migration.md).  A trainer keeps its arena from one migration to the next.
     """
     need = max(staging_bytes_per_round(messages, device).values(), default=0)
-    on = torch.device(on)
+    on = torch.device(on) if on is not None else state_device()
     if reuse is not None and reuse.numel() >= need and reuse.device == on:
         return reuse
     return torch.zeros(need, dtype=torch.uint8, device=on)
@@ -383,9 +383,16 @@ def _peers(msgs: Sequence[MessageLike], device: str) -> str:
     return ", ".join(sorted({m.dst if m.src == device else m.src for m in msgs})) or "none"
 
 
+def state_device() -> torch.device:
+    """Where model state lives: this process's GPU when there is one (NCCL), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _device_of(*indexes: ViewIndex) -> torch.device:
     for ix in indexes:
         for pairs in ix._by_key.values():
             for _, tensor in pairs:
                 return tensor.device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return state_device()
