@@ -4,7 +4,9 @@ Prints one table: per transition the P2P time (plan + exchange + restore), the c
 time (warm save + resharded load; the writer's one-off start-up reported apart), the
 speedup, bytes moved, and the exchange time against its bound: max bytes received by any
 rank ÷ measured pairwise bandwidth (rank 0 → 1, one 128 MiB message, best of 3, measured
-in the same world right before the exchange).
+in the same world right before the exchange), and the exchange against the plan's
+transport alone (the same buffers through the same group, no pack/checksum/unpack/local
+copies: `transport_only`).
 
     python benchmarks/migrate_matrix.py [--model gpt-125m] [--seq 64] [--repeat 2]
                                         [--json out.json] [--only N]
@@ -36,6 +38,10 @@ TRANSITIONS = [
     ("tp2pp1dp1", "tp2pp1dp2", [], 2, "adam"),         # DP grow: 2 ranks join
     ("tp2pp2dp1", "tp1pp2dp2", [], 0, "distributed"),  # TP -> DP, ZeRO-1 optimizer
 ]
+
+
+def _ratio(value: float | None) -> str:
+    return "–" if not value else f"{value:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=f"{args.model} (seq {args.seq}), 4 processes, gloo on CPU, "
                         f"median of {args.repeat}")
     for col in ("transition", "opt", "state GiB", "moved GiB", "P2P s", "(exch+restore)",
-                "ckpt s", "(save+load)", "ckpt start-up s", "speedup", "exch/bound",
-                "pair GB/s", "exact", "loss="):
+                "ckpt s", "(save+load)", "ckpt start-up s", "speedup", "exch/transport",
+                "exch/bound", "pair GB/s", "exact", "loss="):
         table.add_column(col, justify="right" if col not in ("transition", "opt") else "left")
     for r in reports:
         extra = (f" -{','.join(map(str, r['leave']))}" if r["leave"] else "") + (
@@ -88,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['checkpoint_seconds']:.2f}",
             f"{r['checkpoint_save_seconds']:.2f}+{r['checkpoint_load_seconds']:.2f}",
             f"{r['checkpoint_startup_seconds']:.2f}", f"{r['speedup']:.1f}×",
-            f"{r.get('exchange_vs_bound') or 0:.2f}", f"{r.get('pair_gbps') or 0:.2f}",
+            _ratio(r.get("exchange_vs_transport")), _ratio(r.get("exchange_vs_bound")),
+            f"{r.get('pair_gbps') or 0:.2f}",
             "yes" if r["bit_exact"] else "NO", "yes" if r["loss_match"] else "NO",
         )
     console.print(table)

@@ -10,6 +10,8 @@ from etcslurm.bench.synthetic import SynthMessage, global_tensor, needed_pieces,
 from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError
 from etcslurm.transfer.executor import (
+    DIRECT_MIN_BYTES,
+    ViewIndex,
     check_fills,
     checksum,
     execute,
@@ -56,6 +58,21 @@ def test_checksum_mismatch_is_detected_and_named(selftest: list[dict]) -> None:
     assert selftest[0]["corrupt_error"] is None
 
 
+def test_large_slices_travel_as_segments_in_place_or_staged_and_arrive_exact(
+        selftest: list[dict]) -> None:
+    for r in selftest:
+        assert r["segments_exact"] is True
+        # every message's t and u slices were segments: the same bytes as the packed run
+        assert r["segments_stats"]["bytes_received"] >= r["stats"]["bytes_received"] - 64
+
+
+def test_checksum_mismatch_in_a_segment_names_its_piece(selftest: list[dict]) -> None:
+    err = selftest[1]["corrupt_segment_error"]
+    assert err is not None and err.startswith("MigrationError: checksum mismatch")
+    assert "0 -> 1" in err and "segment 2" in err and "piece u0" in err
+    assert selftest[0]["corrupt_segment_error"] is None
+
+
 def test_wait_is_bounded_and_named(selftest: list[dict]) -> None:
     err = selftest[1]["timeout_error"]
     assert err is not None and err.startswith("WaitTimeout") and "peers 0" in err
@@ -96,8 +113,19 @@ def test_layout_aligns_each_dtype_and_ends_with_checksum_word() -> None:
     slices = [Piece("a", ((0, 3),), "bfloat16"), Piece("b", ((0, 2),), "int64"),
               Piece("c", ((0, 1),), "uint8")]
     layout = message_layout(slices)
-    assert layout.offsets == (0, 8, 24)
+    assert layout.offsets == (0, 8, 24) and layout.direct == ()
     assert layout.payload == 32 and layout.size == 40
+
+
+def test_layout_sends_large_slices_as_segments_with_a_checksum_word_each() -> None:
+    slices = [Piece("a", ((0, 3),), "bfloat16"), Piece("b", ((0, 4),), "int64"),
+              Piece("c", ((0, 5),), "float32"), Piece("d", ((0, 2),), "float32")]
+    # b (32 bytes) qualifies; c (20 bytes) is large enough but not a multiple of 8; d small
+    layout = message_layout(slices, direct_min=16)
+    assert layout.direct == (1,) and layout.direct_bytes == (32,)
+    assert layout.packed == (0, 2, 3) and layout.offsets == (0, 8, 28)
+    assert layout.payload == 40 and layout.size == 40 + 2 * 8
+    assert layout.wire_bytes == 72
 
 
 def test_checksum_detects_a_single_bit_flip() -> None:
@@ -142,3 +170,35 @@ def test_check_fills_refuses_a_plan_that_leaves_part_of_the_new_model_unwritten(
     other = SynthMessage(0, "1", "2", (Piece("w", ((2, 4),), "float32"),))  # not for "0"
     with pytest.raises(MigrationError, match="fills 8 of the 16 bytes"):
         check_fills(dest, local, [other], "0")
+
+
+@pytest.mark.parametrize("direct_min", [DIRECT_MIN_BYTES, 4096, 256])
+def test_plans_made_for_a_staging_cap_fit_it_in_the_executor(direct_min: int) -> None:
+    """The planner caps messages at message_cap(cap); the executor's rounds (one send and
+    one receive per device, plus layout and checksum words) must then stay under cap."""
+    from etcslurm.core.layout import ParallelConfig
+    from etcslurm.core.models import PRESETS
+    from etcslurm.core.planner import message_cap, plan_for_gpt
+
+    spec = PRESETS["gpt-tiny"]
+    for cap in (64 << 10, 1 << 20):
+        plan = plan_for_gpt(spec, ParallelConfig.parse("tp2pp2dp1"),
+                            ParallelConfig.parse("tp1pp2dp2"), optimizer="distributed",
+                            staging_bytes=message_cap(cap))
+        devices = {m.src for m in plan.messages} | {m.dst for m in plan.messages}
+        assert len(plan.messages) > 4
+        for dev in devices:
+            assert max(staging_bytes_per_round(plan.messages, dev, direct_min).values()) <= cap
+
+
+def test_arena_is_sized_for_the_segments_that_must_be_staged() -> None:
+    w = torch.arange(64, dtype=torch.float32).view(8, 8)
+    whole = Piece("w", ((0, 8), (0, 8)), "float32")
+    rows = Piece("w", ((0, 4), (0, 8)), "float32")  # contiguous inside w: sent in place
+    cols = Piece("w", ((0, 8), (0, 4)), "float32")  # strided inside w: staged
+    msgs = [SynthMessage(0, "0", "1", (rows,)), SynthMessage(1, "0", "1", (cols,))]
+    views = (ViewIndex([(whole, w)], "held"), ViewIndex([], "needed"))
+    exact = staging_bytes_per_round(msgs, "0", 64, views)
+    worst = staging_bytes_per_round(msgs, "0", 64)
+    # the packed buffer (no payload, two checksum words) takes one 64-byte line
+    assert exact == {0: 64, 1: 64 + 128} and worst == {0: 64 + 128, 1: 64 + 128}

@@ -19,6 +19,7 @@ from typing import Any
 
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
+from etcslurm.core.planner import message_cap
 from etcslurm.errors import UsageError
 
 #: megatron adapter pads the vocabulary for TP up to 8; the bench pads the spec the same
@@ -55,6 +56,9 @@ class MigrateRequest:
     async_checkpoint: bool = True
     timeout: float = 600.0
     seed: int = 1234
+    #: slices of at least this many bytes travel as segments of their own (None: the
+    #: executor's DIRECT_MIN_BYTES; tests lower it so a tiny model's tensors do too)
+    direct_min_bytes: int | None = None
 
     def spec(self) -> GPTSpec:
         spec = GPTSpec.parse(self.model)
@@ -112,9 +116,10 @@ class MigrateRequest:
             "steps_after": self.steps_after,
             "global_batch": self.global_batch or math.lcm(old.dp, new.dp),
             # a device sends one and receives one message per round: half the cap each,
-            # less the checksum word and alignment of each buffer
+            # less the layout's alignment and checksum words
             "staging_bytes": staging,
-            "plan_staging_bytes": max(1, staging // 2 - 4096),
+            "plan_staging_bytes": message_cap(staging),
+            "direct_min_bytes": self.direct_min_bytes,
             "reference": self.reference,
             "verify_global": self.verify_global,
             "measure_bandwidth": self.measure_bandwidth,
@@ -217,12 +222,23 @@ def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, An
         for k in ("pack_seconds", "checksum_seconds", "comm_seconds", "unpack_seconds",
                   "local_seconds")
     }
+    out["segments"] = {k: sum(t.get(f"segments_{k}", 0) for t in transfers)
+                       for k in ("in_place", "staged")}
+    transport = first.get("transport_seconds")
+    if transport:
+        floor = statistics.median(transport)
+        out["transport_seconds"] = floor
+        # nothing on the wire (a DP shrink): only local copies, no transport to compare with
+        out["exchange_vs_transport"] = (exchange / floor if floor > 0 and stats["moved_bytes"]
+                                        else None)
     bw = first.get("pair_bandwidth")
     if bw:
         bound = max_recv / (bw["bytes"] / bw["seconds"])
         out["pair_gbps"] = bw["gbps"]
         out["bound_seconds"] = bound
         out["exchange_vs_bound"] = exchange / bound if bound > 0 else None
+        if transport and bound > 0:
+            out["transport_vs_bound"] = out["transport_seconds"] / bound
     if request.reference:
         ref = new[0].get("losses_reference", [])
         diff = max((abs(a - b) for a, b in zip(ref, new[0]["losses_p2p"], strict=False)),

@@ -49,7 +49,13 @@ from etcslurm.core.models import GPTSpec
 from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError, StateLostError
 from etcslurm.transfer import groups
-from etcslurm.transfer.executor import check_fills, execute, staging_arena
+from etcslurm.transfer.executor import (
+    DIRECT_MIN_BYTES,
+    check_fills,
+    execute,
+    staging_arena,
+    transport_only,
+)
 
 
 def _max(value: float) -> float:
@@ -217,8 +223,11 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         # One staging arena per process, allocated and touched once, reused by every
         # migration of the process (as a long-lived trainer keeps it); its one-off set-up
         # is reported apart, like the checkpoint writer's start-up.
+        needed = local_state(p2p_model).items() if p2p_model is not None else []
+        direct_min = int(c.get("direct_min_bytes") or DIRECT_MIN_BYTES)
         t0 = time.perf_counter()
-        arena = staging_arena(plan.messages, device, None)
+        arena = staging_arena(plan.messages, device, None, direct_min=direct_min, held=held,
+                              needed=needed)
         out["arena_setup_seconds"] = _group_max(xg, time.perf_counter() - t0, timeout)
         # the runtime plans at migration time: time it here (every rank plans)
         plan_seconds, plan = _timed_group_max(xg, timeout, lambda: plan_for_gpt(
@@ -226,15 +235,22 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
             optimizer=optimizer, staging_bytes=int(c["plan_staging_bytes"])))
         out["plan_seconds"] = plan_seconds
         local_slices = list(plan.local.get(device, [])) if new_rank is not None else []
-        needed = local_state(p2p_model).items() if p2p_model is not None else []
         check_fills(needed, local_slices, plan.messages, device, f"rank {new_rank} (P2P)")
+        # the same buffers and segments through the same group with nothing else: the
+        # transport's floor (before the exchange: it leaves stale bytes in the new model)
+        out["transport_seconds"] = [
+            _timed_group_max(xg, timeout, lambda: transport_only(
+                plan.messages, device, ranks, arena, held, needed, group=xg,
+                timeout=timeout, direct_min=direct_min))[0]
+            for _ in range(repeat)
+        ]
         p2p_times, stats = [], None
         for rep in range(repeat):
             def run(rep: int = rep) -> Any:
                 return execute(
                     plan.messages, local_slices, device, ranks, held, needed,
                     staging_cap=int(c["staging_bytes"]), timeout=timeout, group=xg,
-                    arena=arena,
+                    arena=arena, direct_min=direct_min,
                     progress=lambda info, rep=rep: progress("p2p", repeat=rep, **info),
                 )
 

@@ -78,7 +78,10 @@ def needed_pieces(s: int, d: int, n: int) -> list[Piece]:
     ]
 
 
-def _holdings(me: int, n: int) -> tuple[list[tuple[Piece, torch.Tensor]], list[tuple[Piece, torch.Tensor]]]:
+def _holdings(me: int, n: int, strided: bool = False,
+              ) -> tuple[list[tuple[Piece, torch.Tensor]], list[tuple[Piece, torch.Tensor]]]:
+    """This device's whole tensors, and zeroed destinations for what it needs (with
+    ``strided``, the 2-D destinations are transposed views: not contiguous)."""
     held = []
     for key in (f"t{me}", f"u{me}", f"v{me}"):
         t = global_tensor(key)
@@ -86,7 +89,12 @@ def _holdings(me: int, n: int) -> tuple[list[tuple[Piece, torch.Tensor]], list[t
     needed = []
     for s in range(n):
         for piece in needed_pieces(s, me, n):
-            needed.append((piece, torch.zeros(piece.shape, dtype=getattr(torch, piece.dtype))))
+            dtype = getattr(torch, piece.dtype)
+            if strided and len(piece.shape) == 2:
+                dest = torch.zeros(piece.shape[::-1], dtype=dtype).t()
+            else:
+                dest = torch.zeros(piece.shape, dtype=dtype)
+            needed.append((piece, dest))
     return held, needed
 
 
@@ -117,21 +125,37 @@ def executor_selftest(ctx: WorkerContext) -> dict[str, Any]:
     out["stats"] = stats.to_json()
     out["cap"] = cap
     out["progress_events"] = events[: stats.rounds]
-    # 2. a corrupted buffer on device 1 is detected and named
+    # 1b. slices as segments of their own (``direct_min`` lowered so that the synthetic
+    #     tensors' t and u slices qualify; v's 12 bytes stay packed): sent in place where
+    #     the view is contiguous (u), staged where not (t on the sender; t on the receiver,
+    #     whose destinations are transposed views), exact either way
     groups.configure(ctx.store, gen, me, n, "gloo", timeout=30)
     gen += 1
-    held, needed = _holdings(me, n)
-
-    def corrupt(msg: Any, buf: torch.Tensor) -> None:
-        if me == 1 and msg.src == "0":
-            buf[3] ^= 0x10
-
-    try:
-        execute(messages, local[dev], dev, ranks, held, needed, timeout=30, corrupt=corrupt)
-        out["corrupt_error"] = None
-    except EtcslurmError as exc:
-        out["corrupt_error"] = f"{type(exc).__name__}: {exc}"
+    held, needed = _holdings(me, n, strided=True)
+    seg_stats = execute(messages, local[dev], dev, ranks, held, needed, timeout=30,
+                        direct_min=8)
+    out["segments_exact"] = _check(needed)
+    out["segments_stats"] = seg_stats.to_json()
     groups.teardown()
+    # 2. a corrupted byte on device 1 is detected and named: in the packed buffer (default
+    #    layout), and in a segment (the last one of the message: u0)
+    for name, direct_min in (("corrupt_error", None), ("corrupt_segment_error", 8)):
+        groups.configure(ctx.store, gen, me, n, "gloo", timeout=30)
+        gen += 1
+        held, needed = _holdings(me, n)
+
+        def corrupt(msg: Any, buffers: list[torch.Tensor]) -> None:
+            if me == 1 and msg.src == "0":
+                buffers[-1][3] ^= 0x10
+
+        extra = {} if direct_min is None else {"direct_min": direct_min}
+        try:
+            execute(messages, local[dev], dev, ranks, held, needed, timeout=30,
+                    corrupt=corrupt, **extra)
+            out[name] = None
+        except EtcslurmError as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+        groups.teardown()
     # 3. a peer that never sends: the receiver's wait ends with a clear error
     groups.configure(ctx.store, gen, me, n, "gloo", timeout=30)
     gen += 1

@@ -136,6 +136,14 @@ def _print_table(r: dict[str, Any]) -> None:
               f"save {r['checkpoint_save_seconds']:.3f} + load {r['checkpoint_load_seconds']:.3f}"
               f"; first save (writer start-up) {r['checkpoint_startup_seconds']:.3f}")
     t.add_row("speedup", f"{r['speedup']:.1f}×", f"state {_fmt_bytes(r['state_bytes'])}")
+    if r.get("transport_seconds"):
+        t.add_row("transport only", f"{r['transport_seconds']:.3f}",
+                  f"the plan's buffers, nothing else; exchange ÷ this "
+                  f"{r['exchange_vs_transport']:.2f}")
+    if r.get("bound_seconds"):
+        t.add_row("bound", f"{r['bound_seconds']:.3f}",
+                  f"max received {_fmt_bytes(r['max_recv_bytes'])} ÷ one idle pair's "
+                  f"{r['pair_gbps']:.2f} GB/s; exchange ÷ this {r['exchange_vs_bound']:.2f}")
     t.add_row("bit exact", "yes" if r["bit_exact"] else "[red]NO[/]",
               "P2P = checkpoint = pre-migration state")
     t.add_row("loss match", "yes" if r["loss_match"] else "[red]NO[/]",

@@ -217,6 +217,17 @@ class MigrationPlan:
         return sends, recvs
 
 
+def message_cap(staging_bytes: int) -> int:
+    """The largest message (payload bytes) to plan for a device's staging memory of
+    ``staging_bytes``.
+
+    Why half, less 1/32: a device sends at most one and receives at most one message per
+    round (:func:`_schedule`), and the executor's buffers add alignment and checksum words
+    (one 8-byte word per message and per segment of at least 1 MiB: far under 1/32).
+    """
+    return max(1, staging_bytes // 2 - staging_bytes // 32)
+
+
 def _dev_key(d: str) -> tuple[int, int]:
     """Old ranks numerically, then joiners numerically (deterministic device order)."""
     if d.startswith("join:"):

@@ -26,7 +26,7 @@ from typing import Any
 from etcslurm.core.gpt_state import expand
 from etcslurm.core.layout import LayoutDecision, ParallelConfig, choose_config
 from etcslurm.core.models import GPTSpec
-from etcslurm.core.planner import MigrationPlan, PlanInputs, plan
+from etcslurm.core.planner import MigrationPlan, PlanInputs, message_cap, plan
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def plan_inputs(settings: RunSettings, record: Mapping[str, Any]) -> PlanInputs:
         nodes=nodes,
         leaving=sorted((ids[w] for w in record["leaving"] if w not in dead), key=int),
         joiners=joiners,
-        staging_bytes=settings.staging_bytes,
+        staging_bytes=message_cap(settings.staging_bytes),  # the executor's cap is per round
     )
 
 

@@ -632,8 +632,9 @@ class ElasticSession:
         progress({})
         t_x = time.perf_counter()
         exchange = None
-        self._arena = staging_arena(migration.messages, me, self._arena)
         needed = local_state(fresh).items() if fresh is not None else []
+        self._arena = staging_arena(migration.messages, me, self._arena, held=held,
+                                    needed=needed)
         # a plan that misses part of the new model is a bug, not a failure to fall back from
         check_fills(needed, local_slices, migration.messages, me,
                     f"generation {gen}, rank {new_rank}")

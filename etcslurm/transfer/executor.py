@@ -1,15 +1,23 @@
-"""Execute a migration plan on one device: pack -> ``batch_isend_irecv`` -> verify -> unpack.
+"""Execute a migration plan on one device: pack -> send/recv -> verify -> unpack.
 
 Why this shape (the ETC paper's *coalescing*): thousands of per-tensor sends are slow, so
-every (src, dst) pair exchanges **one** contiguous buffer per round that holds all its
+every (src, dst) pair exchanges **one** packed buffer per round that holds its small
 slices back to back, in the plan's canonical order (both ends derive the same layout from
-the plan, so no header travels).  Rounds bound the staging memory: one arena, sized for the
-busiest round and reused by every round, holds this device's send and receive buffers.
+the plan, so no header travels).  A slice of at least ``DIRECT_MIN_BYTES`` is not copied
+into that buffer: it travels as a segment of its own, posted in the same batch, straight
+from the sender's tensor into the receiver's (a per-send cost of microseconds against
+milliseconds of payload).  Where a view is not contiguous on one end, that end alone
+stages the segment through the arena; the bytes on the wire are the same.  Measured on
+the 2-core machine the exchange is memory-bound, and every packing copy avoided is
+bandwidth the transfer gets back (docs/migration.md).  Rounds bound the staging memory:
+one arena, sized for the busiest round and reused by every round, holds this device's
+packed buffers and staged segments.
 
-Each buffer ends with an 8-byte checksum: the wrapping 64-bit sum of the payload viewed as
-int64 words (computed where the data lives -- on the GPU under NCCL -- at memory bandwidth;
-crc32 via zlib runs at ~1 GB/s on one core and would cost more than the transfer).  A
-mismatch raises :class:`MigrationError` naming the message and its first piece.
+Each packed buffer ends with checksum words -- one for its packed payload, one per
+segment: the wrapping 64-bit sum of the bytes viewed as int64 words (computed where the
+data lives -- on the GPU under NCCL -- at memory bandwidth; crc32 via zlib runs at ~1 GB/s
+on one core and would cost more than the transfer).  A mismatch raises
+:class:`MigrationError` naming the message and its piece.
 
 Local slices (this device keeps or already holds the data) are plain ``copy_`` between
 views and overlap with the network transfer.  Every wait is bounded by ``timeout``.
@@ -34,6 +42,9 @@ from etcslurm.errors import MigrationError, WaitTimeout
 #: need 8; 64 keeps buffers on cache lines)
 _ALIGN = 64
 _CHECKSUM_BYTES = 8
+#: slices of at least this many bytes (and a multiple of 8) travel as segments of their
+#: own instead of being packed; every end of the same migration must use the same value
+DIRECT_MIN_BYTES = 1 << 20
 
 
 class MessageLike(Protocol):
@@ -59,6 +70,8 @@ class TransferStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_local: int = 0
+    segments_in_place: int = 0  # sent from / received into the model's own memory
+    segments_staged: int = 0  # through the arena (the view was not contiguous)
     peak_staging_bytes: int = 0
     seconds: float = 0.0
     pack_seconds: float = 0.0
@@ -110,49 +123,100 @@ class ViewIndex:
 
 @dataclass(frozen=True)
 class _Layout:
-    """Where each slice of one message sits in its buffer (same on both ends)."""
+    """How one message travels (same on both ends): the packed buffer -- the ``packed``
+    slices at ``offsets``, then one checksum word for them and one per segment -- followed
+    by the ``direct`` slices, each a segment of its own."""
 
-    offsets: tuple[int, ...]
-    payload: int  # bytes before the checksum, a multiple of 8
+    packed: tuple[int, ...]  # indices into the message's slices
+    offsets: tuple[int, ...]  # byte offset of each packed slice in the buffer
+    direct: tuple[int, ...]  # indices of the slices sent as segments of their own
+    direct_bytes: tuple[int, ...]
+    payload: int  # packed bytes before the checksum words, a multiple of 8
 
     @property
     def size(self) -> int:
-        return self.payload + _CHECKSUM_BYTES
+        """Bytes of the packed buffer (payload and checksum words)."""
+        return self.payload + _CHECKSUM_BYTES * (1 + len(self.direct))
+
+    @property
+    def staging(self) -> int:
+        """Arena bytes the message may need: its buffer, then room to stage every segment
+        (used only where a view is not contiguous)."""
+        return _aligned(self.size) + sum(_aligned(n) for n in self.direct_bytes)
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.payload + sum(self.direct_bytes)
 
 
-def message_layout(slices: Sequence[Piece]) -> _Layout:
-    """Byte offsets of the slices in a packed buffer: in order, each aligned to its element
-    size; payload padded to 8 bytes, then the checksum word."""
-    offsets = []
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def message_layout(slices: Sequence[Piece], direct_min: int = DIRECT_MIN_BYTES) -> _Layout:
+    """The layout of a message: slices of at least ``direct_min`` bytes (a multiple of 8)
+    are segments of their own; the others are packed in order, each aligned to its
+    element size, the payload padded to 8 bytes, then the checksum words."""
+    packed, offsets, direct, direct_bytes = [], [], [], []
     pos = 0
-    for piece in slices:
+    for index, piece in enumerate(slices):
+        nbytes = piece.nbytes
+        if nbytes >= direct_min and nbytes % 8 == 0:
+            direct.append(index)
+            direct_bytes.append(nbytes)
+            continue
         size = dtype_bytes(piece.dtype)
         pos = -(-pos // size) * size
+        packed.append(index)
         offsets.append(pos)
-        pos += piece.nbytes
-    return _Layout(tuple(offsets), -(-pos // 8) * 8)
+        pos += nbytes
+    return _Layout(tuple(packed), tuple(offsets), tuple(direct), tuple(direct_bytes),
+                   -(-pos // 8) * 8)
 
 
-def staging_bytes_per_round(messages: Iterable[MessageLike], device: str) -> dict[int, int]:
-    """Staging bytes ``device`` needs in each round (its send + receive buffers, aligned)."""
+def staging_bytes_per_round(messages: Iterable[MessageLike], device: str,
+                            direct_min: int = DIRECT_MIN_BYTES,
+                            views: tuple[ViewIndex, ViewIndex] | None = None) -> dict[int, int]:
+    """Staging bytes ``device`` needs in each round: its messages' packed buffers, plus
+    room for the segments it must stage.  Without ``views`` (held, needed) every segment
+    counts (the most a plan can need: what the planner's cap guarantees); with them only
+    the segments whose view is not contiguous."""
     out: dict[int, int] = defaultdict(int)
     for msg in messages:
-        if device in (msg.src, msg.dst) and msg.src != msg.dst:
-            out[msg.round] += -(-message_layout(msg.slices).size // _ALIGN) * _ALIGN
+        if device not in (msg.src, msg.dst) or msg.src == msg.dst:
+            continue
+        layout = message_layout(msg.slices, direct_min)
+        if views is None:
+            out[msg.round] += layout.staging
+            continue
+        index = views[0] if msg.src == device else views[1]
+        out[msg.round] += _aligned(layout.size) + sum(
+            _aligned(msg.slices[i].nbytes) for i in layout.direct
+            if _bytes_in_place(index.view(msg.slices[i])) is None)
     return dict(out)
 
 
 def staging_arena(messages: Iterable[MessageLike], device: str, reuse: torch.Tensor | None,
-                  on: torch.device | str | None = None) -> torch.Tensor:
+                  on: torch.device | str | None = None,
+                  direct_min: int = DIRECT_MIN_BYTES,
+                  held: Iterable[tuple[Piece, torch.Tensor]] | None = None,
+                  needed: Iterable[tuple[Piece, torch.Tensor]] | None = None) -> torch.Tensor:
     """The staging arena ``device`` needs for ``messages``: ``reuse`` when it is large
     enough and on ``on`` (default: :func:`state_device`), else a new one, zeroed so that
-    its pages are resident before any transfer uses them.
+    its pages are resident before any transfer uses them.  Given this device's ``held``
+    and ``needed`` views it is sized exactly (segments sent or received in place take no
+    room), else for the worst case.
 
     Why keep one: receiving into (or packing into) memory the process has not touched yet
     faults every page inside the copy; measured here, that made the exchange 2.4-4x slower
     (docs/migration.md).  A trainer keeps its arena from one migration to the next.
     """
-    need = max(staging_bytes_per_round(messages, device).values(), default=0)
+    views = None
+    if held is not None or needed is not None:
+        views = (ViewIndex(held or [], f"held ({device})"),
+                 ViewIndex(needed or [], f"needed ({device})"))
+    per_round = staging_bytes_per_round(messages, device, direct_min, views)
+    need = max(per_round.values(), default=0)
     on = torch.device(on) if on is not None else state_device()
     if reuse is not None and reuse.numel() >= need and reuse.device == on:
         return reuse
@@ -169,6 +233,14 @@ def _typed(buf: torch.Tensor, offset: int, piece: Piece) -> torch.Tensor:
     return buf[offset : offset + piece.nbytes].view(dtype).view(piece.shape)
 
 
+def _bytes_in_place(view: torch.Tensor) -> torch.Tensor | None:
+    """``view``'s own memory as flat bytes, when it can travel (and be checksummed) in
+    place: contiguous and 8-byte aligned; else None (the segment is staged)."""
+    if not view.is_contiguous() or view.data_ptr() % 8:
+        return None
+    return view.reshape(-1).view(torch.uint8)
+
+
 def execute(
     messages: Sequence[MessageLike],
     local: Sequence[Piece],
@@ -182,7 +254,8 @@ def execute(
     progress: ProgressFn | None = None,
     group: dist.ProcessGroup | dist.Backend | None = None,
     arena: torch.Tensor | None = None,
-    corrupt: Callable[[MessageLike, torch.Tensor], None] | None = None,
+    direct_min: int = DIRECT_MIN_BYTES,
+    corrupt: Callable[[MessageLike, list[torch.Tensor]], None] | None = None,
 ) -> TransferStats:
     """Run every message and local copy of ``device`` in the plan.
 
@@ -196,7 +269,9 @@ def execute(
     ``arena``: a uint8 buffer the caller keeps between migrations (memory already
     resident: receiving into fresh pages costs 2.4-2.7x, docs/migration.md); used when it
     is large enough, else a new one is allocated.
-    ``corrupt`` is a test hook applied to each received buffer before verification.
+    ``direct_min``: see :data:`DIRECT_MIN_BYTES` (all ends must agree; tests lower it).
+    ``corrupt`` is a test hook applied to each received message before verification: the
+    packed buffer, then the bytes of each segment, as landed.
     """
     start = time.perf_counter()
     stats = TransferStats(device=device)
@@ -208,7 +283,7 @@ def execute(
         by_round[msg.round].append(msg)
     all_rounds = sorted({m.round for m in messages}) or [0]
     stats.rounds = len(all_rounds)
-    per_round = staging_bytes_per_round(mine, device)
+    per_round = staging_bytes_per_round(mine, device, direct_min, (held_ix, needed_ix))
     arena_bytes = max(per_round.values(), default=0)
     if staging_cap is not None and arena_bytes > staging_cap:
         worst = max(per_round, key=per_round.__getitem__)
@@ -225,29 +300,41 @@ def execute(
     for index, rnd in enumerate(all_rounds):
         t_round = time.perf_counter()
         ops: list[tuple[bool, torch.Tensor, int]] = []  # (send?, buffer, peer rank)
-        recvs: list[tuple[MessageLike, _Layout, torch.Tensor]] = []
+        recvs: list[_Incoming] = []
         sent = received = 0
-        pos = 0
-        # deterministic order: by (peer rank, direction) so both ends post the same pairs
+        pos = 0  # arena bytes used so far in this round
+        # deterministic order: by (src, dst), then the segments in layout order, so both
+        # ends of every pair post the same sequence
         for msg in sorted(by_round.get(rnd, []), key=lambda m: (m.src, m.dst)):
-            layout = message_layout(msg.slices)
-            buf = arena[pos : pos + layout.size]
-            pos += -(-layout.size // _ALIGN) * _ALIGN
-            if msg.src == device:
+            layout = message_layout(msg.slices, direct_min)
+            send = msg.src == device
+            buf, segments, staged, pos = _place(msg, layout, arena, pos,
+                                                held_ix if send else needed_ix)
+            stats.segments_staged += sum(staged)
+            stats.segments_in_place += len(staged) - sum(staged)
+            if send:
                 t0 = time.perf_counter()
-                for piece, off in zip(msg.slices, layout.offsets, strict=True):
-                    _typed(buf, off, piece).copy_(held_ix.view(piece))
+                for i, off in zip(layout.packed, layout.offsets, strict=True):
+                    _typed(buf, off, msg.slices[i]).copy_(held_ix.view(msg.slices[i]))
+                for i, seg, was_staged in zip(layout.direct, segments, staged, strict=True):
+                    if was_staged:
+                        _typed(seg, 0, msg.slices[i]).copy_(held_ix.view(msg.slices[i]))
                 stats.pack_seconds += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                buf[layout.payload :].view(torch.int64).fill_(checksum(buf[: layout.payload]))
+                words = buf[layout.payload :].view(torch.int64)
+                words[0] = checksum(buf[: layout.payload])
+                for k, seg in enumerate(segments, start=1):
+                    words[k] = checksum(seg)
                 stats.checksum_seconds += time.perf_counter() - t0
-                ops.append((True, buf, _rank(ranks, msg.dst)))
-                sent += layout.payload
+                peer = _rank(ranks, msg.dst)
+                ops.extend((True, t, peer) for t in [buf, *segments])
+                sent += layout.wire_bytes
                 stats.messages_sent += 1
             else:
-                ops.append((False, buf, _rank(ranks, msg.src)))
-                recvs.append((msg, layout, buf))
-                received += layout.payload
+                peer = _rank(ranks, msg.src)
+                ops.extend((False, t, peer) for t in [buf, *segments])
+                recvs.append(_Incoming(msg, layout, buf, segments, staged))
+                received += layout.wire_bytes
                 stats.messages_received += 1
         t0 = time.perf_counter()
         works = _post(ops, group) if ops else []
@@ -260,43 +347,16 @@ def execute(
             stats.local_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
         for work in works:
-            try:
-                ok = work.wait(wait_for)
-            except (RuntimeError, dist.DistError) as exc:
-                peers = _peers(by_round.get(rnd, []), device)
-                if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-                    raise WaitTimeout(
-                        f"{device}: round {rnd} transfer did not finish within {timeout:.0f} s "
-                        f"(peers {peers}): {exc}"
-                    ) from exc
-                raise MigrationError(
-                    f"{device}: round {rnd} transfer failed, a peer was lost (peers {peers}): "
-                    f"{str(exc).splitlines()[0][:300]}"
-                ) from exc
-            if ok is False:
-                raise WaitTimeout(
-                    f"{device}: round {rnd} transfer did not finish within {timeout:.0f} s "
-                    f"(peers {_peers(by_round.get(rnd, []), device)})"
-                )
+            _wait(work, wait_for, timeout, device, rnd, by_round.get(rnd, []))
         stats.comm_seconds += time.perf_counter() - t0
-        for msg, layout, buf in recvs:
+        for incoming in recvs:
             if corrupt is not None:
-                corrupt(msg, buf)
+                corrupt(incoming.msg, [incoming.buf, *incoming.segments])
             t0 = time.perf_counter()
-            want = int(buf[layout.payload :].view(torch.int64)[0])
-            got = int(checksum(buf[: layout.payload]))
+            incoming.verify()
             stats.checksum_seconds += time.perf_counter() - t0
-            if want != got:
-                first = msg.slices[0] if msg.slices else None
-                name = f"{first.key} {list(first.box)}" if first else "(empty)"
-                raise MigrationError(
-                    f"checksum mismatch in round {msg.round} message {msg.src} -> {msg.dst} "
-                    f"({layout.payload} bytes, {len(msg.slices)} slices, first piece {name}): "
-                    f"sent {want:#x}, received {got:#x}"
-                )
             t0 = time.perf_counter()
-            for piece, off in zip(msg.slices, layout.offsets, strict=True):
-                needed_ix.view(piece).copy_(_typed(buf, off, piece))
+            incoming.unpack(needed_ix)
             stats.unpack_seconds += time.perf_counter() - t0
         stats.bytes_sent += sent
         stats.bytes_received += received
@@ -317,6 +377,125 @@ def execute(
         torch.cuda.synchronize(arena.device)
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+def _place(msg: MessageLike, layout: _Layout, arena: torch.Tensor, pos: int, views: ViewIndex,
+           ) -> tuple[torch.Tensor, list[torch.Tensor], list[bool], int]:
+    """Where one message's bytes live on this end from ``pos`` in the arena on: its packed
+    buffer, each segment (the view's own memory, or a staging region when the view is not
+    contiguous: ``staged``), and the next free arena position."""
+    buf = arena[pos : pos + layout.size]
+    pos += _aligned(layout.size)
+    segments, staged = [], []
+    for i in layout.direct:
+        seg = _bytes_in_place(views.view(msg.slices[i]))
+        staged.append(seg is None)
+        if seg is None:
+            seg = arena[pos : pos + msg.slices[i].nbytes]
+            pos += _aligned(msg.slices[i].nbytes)
+        segments.append(seg)
+    return buf, segments, staged, pos
+
+
+@dataclass
+class _Incoming:
+    """A message being received: its packed buffer and where each segment lands (the
+    new view itself, or a staging region when ``staged``)."""
+
+    msg: MessageLike
+    layout: _Layout
+    buf: torch.Tensor
+    segments: list[torch.Tensor]
+    staged: list[bool]
+
+    def verify(self) -> None:
+        words = self.buf[self.layout.payload :].view(torch.int64)
+        parts = [(self.buf[: self.layout.payload], self.layout.packed[:1])]
+        parts += [(seg, (i,)) for seg, i in zip(self.segments, self.layout.direct, strict=True)]
+        for k, (data, which) in enumerate(parts):
+            want, got = int(words[k]), int(checksum(data))
+            if want != got:
+                piece = self.msg.slices[which[0]] if which else None
+                name = f"{piece.key} {list(piece.box)}" if piece else "(empty)"
+                what = "packed part" if k == 0 else f"segment {k}"
+                raise MigrationError(
+                    f"checksum mismatch in round {self.msg.round} message {self.msg.src} -> "
+                    f"{self.msg.dst} ({what}, {data.numel()} bytes, first piece {name}): "
+                    f"sent {want:#x}, received {got:#x}"
+                )
+
+    def unpack(self, needed_ix: ViewIndex) -> None:
+        slices = self.msg.slices
+        for i, off in zip(self.layout.packed, self.layout.offsets, strict=True):
+            needed_ix.view(slices[i]).copy_(_typed(self.buf, off, slices[i]))
+        for i, seg, was_staged in zip(self.layout.direct, self.segments, self.staged, strict=True):
+            if was_staged:
+                needed_ix.view(slices[i]).copy_(_typed(seg, 0, slices[i]))
+
+
+def _wait(work: Any, wait_for: timedelta, timeout: float, device: str, rnd: int,
+          msgs: Sequence[MessageLike]) -> None:
+    """Wait for one posted send/recv; a late or lost peer becomes a named error."""
+    try:
+        ok = work.wait(wait_for)
+    except (RuntimeError, dist.DistError) as exc:
+        peers = _peers(msgs, device)
+        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            raise WaitTimeout(
+                f"{device}: round {rnd} transfer did not finish within {timeout:.0f} s "
+                f"(peers {peers}): {exc}"
+            ) from exc
+        raise MigrationError(
+            f"{device}: round {rnd} transfer failed, a peer was lost (peers {peers}): "
+            f"{str(exc).splitlines()[0][:300]}"
+        ) from exc
+    if ok is False:
+        raise WaitTimeout(
+            f"{device}: round {rnd} transfer did not finish within {timeout:.0f} s "
+            f"(peers {_peers(msgs, device)})"
+        )
+
+
+def transport_only(
+    messages: Sequence[MessageLike],
+    device: str,
+    ranks: Mapping[str, int],
+    arena: torch.Tensor,
+    held: Iterable[tuple[Piece, torch.Tensor]],
+    needed: Iterable[tuple[Piece, torch.Tensor]],
+    *,
+    group: dist.ProcessGroup | dist.Backend | None = None,
+    timeout: float = 60.0,
+    direct_min: int = DIRECT_MIN_BYTES,
+) -> float:
+    """Post exactly the buffers and segments :func:`execute` would, from and into the same
+    memory, round by round, with no packing, checksum, unpacking or local copies; returns
+    the seconds.  It overwrites ``needed`` (and the arena) with whatever was sent.
+
+    Why: it is what the transport alone needs for this plan, on this machine, with every
+    pair of a round active at once -- the floor any executor of the plan sits on.  The
+    benchmark reports the exchange against it (the executor's own cost) and against the
+    idle-pair bound (max bytes received / one pair's bandwidth).
+    """
+    start = time.perf_counter()
+    wait_for = timedelta(seconds=timeout)
+    held_ix = ViewIndex(held, f"held ({device})")
+    needed_ix = ViewIndex(needed, f"needed ({device})")
+    mine = sorted((m for m in messages if device in (m.src, m.dst) and m.src != m.dst),
+                  key=lambda m: (m.round, m.src, m.dst))
+    for rnd in sorted({m.round for m in mine}):
+        ops, pos = [], 0
+        for msg in (m for m in mine if m.round == rnd):
+            send = msg.src == device
+            peer = _rank(ranks, msg.dst if send else msg.src)
+            buf, segments, _, pos = _place(msg, message_layout(msg.slices, direct_min), arena,
+                                           pos, held_ix if send else needed_ix)
+            ops.extend((send, t, peer) for t in [buf, *segments])
+        for work in _post(ops, group):
+            _wait(work, wait_for, timeout, device, rnd, mine)
+    if arena.is_cuda:
+        torch.cuda.synchronize(arena.device)
+    return time.perf_counter() - start
 
 
 def check_fills(
