@@ -33,10 +33,13 @@ def _data_positions(run_dir: Path, steps: int, global_batch: int) -> None:
 
 
 def test_leave_join_leave_matches_reference(redis_url: str, run_id: str, tmp_path: Path) -> None:
-    steps, gb = 16, 12
-    opts = DemoOptions(workers=4, steps=steps, schedule="4:leave=1;8:join=2;12:leave=2",
+    # joiners need ~15 s to import torch + megatron-core on 2 busy cores and are sent home
+    # if the run ends first: they are spawned at step 4 of 20, and steps last >= 1.5 s, so
+    # they have >= 24 s (a CI run where they had 8 unpaced steps saw them miss the run)
+    steps, gb = 20, 12
+    opts = DemoOptions(workers=4, steps=steps, schedule="2:leave=1;4:join=2;14:leave=2",
                        redis=redis_url, run_id=run_id, run_dir=str(tmp_path), global_batch=gb,
-                       keep_keys_s=5)
+                       keep_keys_s=5, min_step_seconds=1.5)
     result = run_demo(opts)
     gens = result.generations
     assert (gens[0]["kind"], gens[0]["to"]) == ("start", "tp1pp1dp4")
