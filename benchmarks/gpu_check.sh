@@ -44,7 +44,7 @@ for name, slices in (("row slices", pieces), ("column slices (strided)", cols)):
 # 2. executor over NCCL in a world of 1 (local copies + empty rounds) and
 # 3. megatron-core GPT forward/backward on CUDA
 store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60))
-from etcslurm.transfer import groups
+from etcslurm.groups import lifecycle as groups
 from etcslurm.megatron import parallel
 groups.register_teardown_hook(parallel.teardown)
 from etcslurm.core.layout import ParallelConfig

@@ -149,7 +149,7 @@ def test_exchange_group_whose_peer_never_arrives_fails_bounded_and_named() -> No
     import torch.distributed as dist
 
     from etcslurm.errors import WaitTimeout
-    from etcslurm.transfer import groups
+    from etcslurm.groups import lifecycle as groups
 
     before = groups.resource_usage()
     t0 = time.perf_counter()

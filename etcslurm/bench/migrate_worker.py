@@ -11,7 +11,7 @@ Phases (generations on the launcher's long-lived store):
    (untimed, exactly as the checkpoint path's model is built before its timed load);
    leaving and idle devices leave the old world.  The old model's tensors stay readable.
 2. **exchange group** (old devices + joiners; a bare gloo/NCCL group outside the default
-   world, :func:`etcslurm.transfer.groups.exchange_group`): every member replays the same
+   world, :func:`etcslurm.groups.lifecycle.exchange_group`): every member replays the same
    plan (timed), then the executor moves the state straight into the P2P model's views,
    local slices included, through one staging arena per process that is allocated and
    touched once (its set-up reported apart), ``repeat`` times.  Leaving and idle devices
@@ -48,7 +48,7 @@ from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError, StateLostError
-from etcslurm.transfer import groups
+from etcslurm.groups import lifecycle as groups
 from etcslurm.transfer.executor import (
     DIRECT_MIN_BYTES,
     check_fills,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from etcslurm.bench.worker import WorkerContext
 from etcslurm.core.state import Piece
 from etcslurm.errors import EtcslurmError
-from etcslurm.transfer import groups
+from etcslurm.groups import lifecycle as groups
 from etcslurm.transfer.executor import execute, staging_bytes_per_round
 
 

@@ -10,7 +10,7 @@ long-lived store (e.g. the coordinator's Redis store or a ``TCPStore``), so keys
 old generation can never be mistaken for the new one.  Subgroups are created with all
 ranks participating (``use_local_synchronization=True`` can hang in gloo).
 
-Worlds are started and torn down by ``etcslurm/transfer/groups.py`` (which also forms
+Worlds are started and torn down by ``etcslurm/groups/lifecycle.py`` (which also forms
 the exchange group that moves the state); :func:`teardown` is registered there as a teardown hook,
 so there is one lifecycle implementation.
 """
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.errors import LayoutError
 from etcslurm.megatron import cpu_shim
-from etcslurm.transfer import groups
+from etcslurm.groups import lifecycle as groups
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def init_world(
 ) -> float:
     """Start the default process group of ``generation``; returns the seconds it took.
 
-    The one lifecycle of :mod:`etcslurm.transfer.groups` (whose teardown runs
+    The one lifecycle of :mod:`etcslurm.groups.lifecycle` (whose teardown runs
     :func:`teardown` below first, so megatron's groups of the old layout go too).
     """
     if not 0 <= rank < world_size:

@@ -231,7 +231,7 @@ class ElasticSession:
 
     def close(self, state: str = GONE) -> None:
         """Leave the coordinator and tear every process group down (idempotent)."""
-        from etcslurm.transfer import groups
+        from etcslurm.groups import lifecycle as groups
 
         groups.abort()
         if self._trap is not None:
@@ -579,7 +579,7 @@ class ElasticSession:
         a group of old members + joiners of its own), then the commit."""
         from etcslurm.core.planner import plan
         from etcslurm.megatron.adapter import finish_restore, local_state
-        from etcslurm.transfer import groups
+        from etcslurm.groups import lifecycle as groups
         from etcslurm.transfer.executor import check_fills, execute, staging_arena
 
         assert self.coord is not None and self._store is not None
@@ -713,7 +713,7 @@ class ElasticSession:
         """A change failed before its commit: every old member still holds the previous
         generation, so plan again from it without the dead (a joiner, holding nothing,
         waits to be taken in by that plan)."""
-        from etcslurm.transfer import groups
+        from etcslurm.groups import lifecycle as groups
 
         assert self.coord is not None
         groups.abort()
@@ -853,7 +853,7 @@ class ElasticSession:
         hold the previous generation's state intact (nothing was applied), so the next
         generation is planned from that state again, without the dead.
         """
-        from etcslurm.transfer import groups
+        from etcslurm.groups import lifecycle as groups
 
         assert self.coord is not None and self.record is not None
         cfg = self.cfg

@@ -265,7 +265,7 @@ def execute(
     ``staging_cap``: bytes; a round that needs more raises before anything moves.
     ``progress`` gets a dict per round (round, rounds, bytes_sent, bytes_received, ...).
     ``group``: the default world (None), a registered group, or a bare backend from
-    :func:`etcslurm.transfer.groups.exchange_group` (``ranks`` are then its ranks).
+    :func:`etcslurm.groups.lifecycle.exchange_group` (``ranks`` are then its ranks).
     ``arena``: a uint8 buffer the caller keeps between migrations (memory already
     resident: receiving into fresh pages costs 2.4-2.7x, docs/migration.md); used when it
     is large enough, else a new one is allocated.
