@@ -1,9 +1,9 @@
-"""1024 simulated workers registering with the coordinator and passing one barrier.
+"""1024 simulated workers registering with the coordinator, beating and being listed.
 
 Real Redis (a bundled server started here, or --redis URL), real Coordinator handles,
 one thread per worker sharing one connection pool (as workers on one host would share
-nothing but the server).  Prints registration, heartbeat, membership-read and barrier
-times.  Run: ``python benchmarks/coordinator_scale.py [--workers 1024]``.
+nothing but the server).  Prints registration, heartbeat, membership-read and
+leader-election times.  Run: ``python benchmarks/coordinator_scale.py [--workers 1024]``.
 """
 
 from __future__ import annotations
@@ -63,12 +63,6 @@ def main() -> None:
         t_members = time.perf_counter() - t0
         assert len(members) == args.workers
 
-        ids = [h.worker_id for h in handles]
-        barrier_pool = ThreadPoolExecutor(args.workers)  # every waiter blocks at once
-        t0 = time.perf_counter()
-        waits = list(barrier_pool.map(lambda h: h.barrier("bench", ids, timeout=120), handles))
-        t_barrier = time.perf_counter() - t0
-
         t0 = time.perf_counter()
         leader = handles[0].leader()
         t_leader = time.perf_counter() - t0
@@ -86,8 +80,6 @@ def main() -> None:
                   f"{sorted(reg_times)[int(len(reg_times) * 0.99)] * 1e3:.1f} ms")
     table.add_row("one heartbeat from every worker", f"{t_beat:.2f}")
     table.add_row("read membership (all workers + liveness)", f"{t_members:.3f}")
-    table.add_row(f"barrier: all {args.workers} arrive and are released", f"{t_barrier:.2f}")
-    table.add_row("  longest single wait", f"{max(waits):.2f}")
     table.add_row(f"leader election (leader {leader})", f"{t_leader:.3f}")
     Console().print(table)
 

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.mbytes < 1 or args.repeat < 1:
         ap.error("--mbytes and --repeat must be at least 1")
-    result = launch("etcslurm.bench.synthetic:receive_memory", 4,
+    result = launch("etcslurm.testing.synthetic:receive_memory", 4,
                     {"mbytes": args.mbytes, "repeat": args.repeat}, timeout=600)[0]
     print(f"| {args.mbytes} MiB per message, best of {args.repeat} | seconds | GB/s (all pairs) |")
     print("|---|---|---|")

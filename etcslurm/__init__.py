@@ -11,10 +11,18 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ParallelConfig": "etcslurm.core.layout",
-    "GPTSpec": "etcslurm.core.models",
-    "plan_migration": "etcslurm.core.planner",
+    # a training script: the session and what configures it
     "ElasticSession": "etcslurm.runtime.session",
+    "LeftRun": "etcslurm.runtime.session",
+    "run_worker": "etcslurm.runtime.session",
+    "RunSettings": "etcslurm.runtime.config",
+    "WorkerOptions": "etcslurm.runtime.config",
+    "Hooks": "etcslurm.hooks",
+    # models and layouts
+    "GPTSpec": "etcslurm.core.models",
+    "ParallelConfig": "etcslurm.core.layout",
+    "plan_migration": "etcslurm.core.planner",
+    # Slurm
     "submit": "etcslurm.slurm.submission",
     "grow": "etcslurm.slurm.submission",
 }

@@ -59,3 +59,8 @@ class MigrationError(EtcslurmError):
     """A migration failed (checksum mismatch, peer lost, ...); the message says where."""
 
     exit_code = 1
+
+
+class RecordError(CoordinatorError):
+    """A generation record, event or change request that is unknown or malformed; the
+    message names the record and the field."""

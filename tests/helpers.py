@@ -40,3 +40,25 @@ def sh(*cmd: str) -> str:
 def job_state(job_id: str) -> str:
     """The Slurm state of ``job_id`` (first line: an array's first task)."""
     return sh("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T").split("\n")[0]
+
+
+def generation_record(
+    n: int, layout: str, workers: list[str], nodes: dict[str, str] | None = None, *,
+    from_layout: str | None = None, leaving: tuple[str, ...] = (),
+    joining: tuple[str, ...] = (), reason: str = "test", kind: str | None = None,
+) -> Any:
+    """A :class:`GenerationRecord` of ``layout`` played by ``workers`` in rank order."""
+    from etcslurm.coord.records import Assignment, GenerationRecord
+    from etcslurm.core.layout import ParallelConfig
+
+    cfg = ParallelConfig.parse(layout)
+    nodes = nodes or {}
+    assignment = tuple(
+        Assignment(r, w, nodes.get(w, "?"), *cfg.coord(r)) for r, w in enumerate(workers))
+    return GenerationRecord(
+        generation=n, kind=kind or ("start" if from_layout is None else "resize"), step=0,
+        from_layout=from_layout, to_layout=layout, world=cfg.world_size,
+        assignment=assignment, old_world=None, union=tuple(workers) + tuple(leaving),
+        leaving=tuple(leaving), joining=tuple(joining), dead=(), idle=(),
+        nodes={w: nodes.get(w, "?") for w in workers}, planner_ids={}, scalars={},
+        reason=reason)

@@ -140,9 +140,10 @@ def planted(redis_url: str) -> dict[str, str]:
     """Runs whose coordinator entries are broken on purpose (removed afterwards)."""
     r = redis.Redis.from_url(redis_url)
     tag = uuid.uuid4().hex[:6]
-    runs = {k: f"bad-{k}-{tag}" for k in ("malformed", "oversized", "notobj")}
+    runs = {k: f"bad-{k}-{tag}" for k in ("malformed", "oversized", "notobj", "notrecord")}
     values = {"malformed": b"\x80\x81 not json", "oversized": b'"' + b"x" * (5 << 20) + b'"',
-              "notobj": b"[1, 2, 3]"}
+              "notobj": b"[1, 2, 3]",
+              "notrecord": b'{"generation": 0, "kind": "start", "layout": "tp1pp1dp1"}'}
     for kind, run in runs.items():
         keys = Keys(run)
         r.set(keys.spec, b"{}")
@@ -176,7 +177,8 @@ def test_missing_or_wrong_password_refused(password: str | None, redis_url: str,
 @pytest.mark.redis
 @pytest.mark.parametrize(("kind", "needle"), [("malformed", "not valid JSON"),
                                               ("oversized", "over the"),
-                                              ("notobj", "expected an object")])
+                                              ("notobj", "expected an object"),
+                                              ("notrecord", "generation record: unknown field 'layout'")])
 def test_bad_coordinator_entries_are_named(kind: str, needle: str, planted: dict[str, str],
                                            redis_url: str, work: Path) -> None:
     proc = _cli(["status", "--run", planted[kind], "--redis", redis_url], work)
@@ -224,16 +226,15 @@ def test_joiner_with_a_different_model_spec_is_refused(redis_url: str, run_id: s
     """A worker whose run spec (model, batch, ...) differs from the run's is refused before
     it registers: SpecMismatch, exit 3, the differing fields named."""
     from etcslurm.core.models import GPTSpec
-    from etcslurm.runtime.session import SessionConfig
+    from etcslurm.runtime.config import RunSettings
 
-    base = SessionConfig(run_id=run_id, redis_url=redis_url, spec=GPTSpec.parse("gpt-tiny"))
-    other = SessionConfig(run_id=run_id, redis_url=redis_url, spec=GPTSpec.parse("gpt-125m"),
-                          global_batch=16)
+    base = RunSettings(model=GPTSpec.parse("gpt-tiny"))
+    other = RunSettings(model=GPTSpec.parse("gpt-125m"), global_batch=16)
     client = connect(redis_url)
-    first = Coordinator(client, run_id, spec=base.run_spec())
+    first = Coordinator(client, run_id, spec=base.to_json())
     try:
         first.register(heartbeat=False)
-        joiner = Coordinator(client, run_id, spec=other.run_spec())
+        joiner = Coordinator(client, run_id, spec=other.to_json())
         with pytest.raises(SpecMismatch) as exc:
             joiner.register(heartbeat=False)
         msg = str(exc.value)
@@ -255,7 +256,7 @@ def test_unusable_checkpoint_directory(case: str, code: int, needle: str, redis_
                                        run_id: str, work: Path, tmp_path: Path) -> None:
     """A worker told to resume from a checkpoint directory it cannot use stops at once."""
     from etcslurm.core.models import GPTSpec
-    from etcslurm.runtime.session import SessionConfig
+    from etcslurm.runtime.config import RunSettings
 
     if case == "dir-is-a-file":
         ckpt = work / "afile"
@@ -263,8 +264,7 @@ def test_unusable_checkpoint_directory(case: str, code: int, needle: str, redis_
         ckpt = tmp_path / "ckpt"
         ckpt.mkdir()
         (ckpt / "latest.json").write_text("{garbage")
-    spec = SessionConfig(run_id=run_id, redis_url=redis_url, spec=GPTSpec.parse("gpt-tiny"),
-                         steps=2).run_spec()
+    spec = RunSettings(model=GPTSpec.parse("gpt-tiny"), steps=2).to_json()
     client = connect(redis_url)
     coord = Coordinator(client, run_id)
     coord.ensure_spec(spec)

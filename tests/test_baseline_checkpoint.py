@@ -1,6 +1,6 @@
 """Checkpoint-based migration (megatron-core dist_checkpointing) between layouts.
 
-4 real processes on gloo (``python -m etcslurm.megatron.selftest migrate``): build
+4 real processes on gloo (``python -m etcslurm.testing.megatron_selftest migrate``): build
 tp2pp2dp1, train 2 steps, save, rebuild the world in the same processes for each target
 layout, load resharded into a freshly built model+optimizer, compare the global state
 (gathered by key) bit for bit with the state before, train on and compare the losses with
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from etcslurm.megatron.selftest import launch
+from etcslurm.testing.megatron_selftest import launch
 
 TIMEOUT_S = 420
 

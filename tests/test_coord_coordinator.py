@@ -9,13 +9,21 @@ import pytest
 
 from etcslurm.coord.acl import grant_run_user, revoke_run_user, run_user_url
 from etcslurm.coord.client import connect
-from etcslurm.coord.coordinator import BarrierTimeout, Coordinator, SpecMismatch
+from etcslurm.coord.coordinator import Coordinator, SpecMismatch
+from etcslurm.coord.records import ChangeRequest, GenerationRecord, parse_event
 from etcslurm.coord.schema import Keys
-from etcslurm.errors import CoordinatorError, UsageError, WaitTimeout
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.errors import CoordinatorError, RecordError, UsageError, WaitTimeout
+from tests.helpers import generation_record
 
 pytestmark = pytest.mark.redis
 
 FAST = {"heartbeat_interval": 0.2, "dead_after": 1.5}  # margin for 2 busy cores
+
+
+def gen_record(n: int, layout: str = "tp1pp1dp1", reason: str = "test") -> GenerationRecord:
+    return generation_record(n, layout, ["w1"] * ParallelConfig.parse(layout).world_size,
+                             from_layout=None if n == 0 else layout, reason=reason)
 
 
 @pytest.fixture
@@ -54,7 +62,8 @@ def test_register_members_and_states(make):
     a.leave(within=5.0, reason="SIGUSR2")
     info = a.members()[wa]
     assert info["state"] == "leaving" and info["leave_deadline"] > time.time()
-    assert a.pending_change()[0]["worker"] == wa
+    req = a.pending_changes()[0]
+    assert req.drain == (wa,) and req.by == wa and req.to is None
     types = [e["type"] for e in a.read_events()]
     assert types.count("worker.registered") == 2 and "worker.state" in types
     assert "change.requested" in types
@@ -96,13 +105,13 @@ def test_generation_cas_one_winner(make, client):
     cs = [make() for _ in range(6)]
     for c in cs:
         c.register(heartbeat=False)
-    assert cs[0].publish_generation({"generation": 0, "layout": "tp1pp1dp6"})
+    assert cs[0].publish_generation(gen_record(0))
     start = threading.Barrier(len(cs))
     results: list[bool] = [False] * len(cs)
 
     def publish(i: int) -> None:
         start.wait()
-        results[i] = cs[i].publish_generation({"generation": 1, "by": i})
+        results[i] = cs[i].publish_generation(gen_record(1, reason=f"by {i}"))
 
     threads = [threading.Thread(target=publish, args=(i,)) for i in range(len(cs))]
     for t in threads:
@@ -111,9 +120,12 @@ def test_generation_cas_one_winner(make, client):
         t.join()
     assert sum(results) == 1
     rec = cs[0].current_generation()
-    assert rec["generation"] == 1 and rec["by"] == results.index(True)
-    assert not cs[1].publish_generation({"generation": 3})  # skipping a number loses
-    assert cs[1].wait_generation(after=0, timeout=1)["generation"] == 1
+    assert rec.generation == 1 and rec.reason == f"by {results.index(True)}"
+    assert rec.published_by in {c.worker_id for c in cs} and rec.published_at
+    assert not cs[1].publish_generation(gen_record(3))  # skipping a number loses
+    assert cs[1].wait_generation(after=0, timeout=1).generation == 1
+    with pytest.raises(UsageError, match="needs a GenerationRecord"):
+        cs[1].publish_generation({"generation": 2})  # type: ignore[arg-type]
     with pytest.raises(WaitTimeout, match=r"no generation after 1 published within 0\.2 s"):
         cs[1].wait_generation(after=1, timeout=0.2)
 
@@ -130,50 +142,21 @@ def test_commit_only_moves_forward_and_stops_after_end_run(make):
     assert b.committed_generation() == -1
 
 
-def test_barrier_timeout_names_missing_workers(make):
-    cs = [make() for _ in range(4)]
-    ids = [c.register() for c in cs]
-    done: list[float] = []
-    t = threading.Thread(target=lambda: done.append(cs[1].barrier("b1", ids[:2], 5)))
-    t.start()
-    cs[0].barrier("b1", ids[:2], 5)
-    t.join()
-    assert done  # both arrived
-    with pytest.raises(BarrierTimeout) as exc:
-        cs[0].barrier("b2", ids, timeout=0.5)
-    assert exc.value.missing == ids[1:] and exc.value.dead == []
-    assert f"missing {ids[1]}, {ids[2]}, {ids[3]}" in str(exc.value)
-    assert "(1/4 arrived)" in str(exc.value)
-
-
-def test_barrier_reports_dead_participant_early(make):
-    cs = [make() for _ in range(3)]
-    ids = [c.register() for c in cs]
-    cs[2].stop_heartbeat()
-    time.sleep(cs[0].dead_after + 0.2)
-    t0 = time.monotonic()
-    with pytest.raises(BarrierTimeout) as exc:
-        cs[0].barrier("b", ids, timeout=30)
-    assert time.monotonic() - t0 < 5.0  # not the full 30 s
-    assert exc.value.dead == [ids[2]]
-    assert f"{ids[2]} died" in str(exc.value)
-
-
 def test_two_runs_do_not_see_each_other(make, client):
     a = make("runa-" + make().run_id)
     b = make("runb-" + a.run_id)
     wa = a.register()
     b.register()
-    a.publish_generation({"generation": 0, "layout": "A"})
-    a.emit("step", step=1)
+    a.publish_generation(gen_record(0, "tp1pp1dp1"))
+    a.emit("step", gen=0, step=1, loss=1.0)
     assert list(b.members()) == ["w1"] and wa in a.members()  # each its own counter
     assert b.current_generation() is None
     assert all(e["worker"] != wa or e["type"] != "step" for e in b.read_events())
-    assert b.publish_generation({"generation": 0, "layout": "B"})
-    assert a.current_generation()["layout"] == "A"
+    assert b.publish_generation(gen_record(0, "tp1pp2dp1"))
+    assert a.current_generation().to_layout == "tp1pp1dp1"
     assert all(k.startswith(Keys(a.run_id).prefix) for k in a.run_keys())
     b.end_run()
-    assert a.current_generation()["layout"] == "A"
+    assert a.current_generation().to_layout == "tp1pp1dp1"
     a.end_run()
 
 
@@ -185,13 +168,13 @@ def test_run_ids_cannot_escape_their_namespace(client):
 
 def test_acl_user_cannot_touch_other_runs(redis_url, client, run_id):
     other = Coordinator(client, run_id + "-other")
-    other.publish_generation({"generation": 0})
+    other.publish_generation(gen_record(0))
     user, password = grant_run_user(client, run_id)
     try:
         rc = connect(run_user_url(redis_url, user, password), retry_deadline=2)
         mine = Coordinator(rc, run_id, **FAST)
         wid = mine.register(heartbeat=False)
-        assert mine.publish_generation({"generation": 0}) and wid == "w1"
+        assert mine.publish_generation(gen_record(0)) and wid == "w1"
         okey = Keys(run_id + "-other").gen
         with pytest.raises(CoordinatorError, match="denied access"):
             rc.call("read", lambda r: r.get(okey))
@@ -230,7 +213,7 @@ def test_oversized_and_malformed_entries_rejected(make, client):
     with pytest.raises(CoordinatorError, match=rf"{k.gen} is a JSON list, expected an object"):
         a.current_generation()
     with pytest.raises(CoordinatorError, match="malformed"):
-        a.publish_generation({"generation": 0})
+        a.publish_generation(gen_record(0))
     client.redis.hset(k.workers, "w9", b"y" * 2000)
     with pytest.raises(CoordinatorError, match=rf"{k.workers}\[w9\] is 2000 bytes"):
         a.members()
@@ -242,67 +225,43 @@ def test_oversized_and_malformed_entries_rejected(make, client):
     client.redis.hset(k.gen, "a", "b")  # wrong type
     with pytest.raises(CoordinatorError, match="holds a hash"):
         a.current_generation()
+    client.redis.delete(k.gen)
+    # well-formed JSON that is no generation record: refused, naming the field
+    client.redis.set(k.gen, b'{"generation": 0, "kind": "start"}')
+    with pytest.raises(RecordError, match=rf"{k.gen}: generation record: missing field"):
+        a.current_generation()
+    client.redis.set(k.gen, b'{"generation": 0, "version": 7}')
+    with pytest.raises(RecordError, match="version 7 is not supported"):
+        a.current_generation()
+    client.redis.rpush(k.changes, b'{"to": "tp0", "drain": [], "by": "x", "ts": 1}')
+    with pytest.raises(RecordError, match=rf"{k.changes}\[0\]: change request: field 'to'"):
+        a.pending_changes()
     with pytest.raises(UsageError, match="exceeds the 1000-byte limit"):
-        a.emit("step", blob="z" * 2000)
-    with pytest.raises(UsageError, match="not plain JSON"):
-        a.set_status({"x": object()})
+        a.emit("error", message="z" * 2000)
     assert wid in a.members()
 
 
-def test_events_status_and_end_run(make, client):
+def test_events_and_end_run(make, client):
     a = make()
     a.register(heartbeat=False)
     first = a.read_events()
-    eid = a.emit("migration.progress", rank=0, done=10, total=100)
+    eid = a.emit("migration.progress", gen=1, worker="w1", rank=0, sent=10, recv=0,
+                 total_send=100, total_recv=0)
     new = a.read_events(first[-1]["id"])
     assert [e["id"] for e in new] == [eid]
-    assert new[0]["data"] == {"rank": 0, "done": 10, "total": 100}
+    assert new[0]["data"] == {"gen": 1, "worker": "w1", "rank": 0, "sent": 10, "recv": 0,
+                              "total_send": 100, "total_recv": 0}
+    ev = parse_event(new[0])
+    assert ev.data.sent == 10 and ev.worker == a.worker_id and ev.id == eid
     t0 = time.monotonic()
     assert a.read_events(eid, block_ms=200) == []
     assert time.monotonic() - t0 >= 0.15
-    a.set_status({"step": 3})
-    assert a.status()["step"] == 3
-    a.barrier("x", [a.worker_id], 1)
     keys = a.run_keys()
-    assert {a.keys.gen, a.keys.status, a.keys.barrier("x")} - set(keys) == {a.keys.gen}
+    assert {a.keys.events, a.keys.workers} <= set(keys)
     n = a.end_run(keep_s=30)
     assert n == len(keys) + 0 and all(0 < client.redis.ttl(k) <= 30 for k in a.run_keys())
     a.end_run()
     assert a.run_keys() == []
-
-
-def test_large_barrier_passes_and_neighbours_report_a_death(make, client):
-    n = 24  # > 16: each waiter watches only its three successors
-    cs = [make(heartbeat_interval=0.2, dead_after=60) for _ in range(n)]
-    doomed = cs[5]
-    ids = [c.register(heartbeat=False) for c in cs]  # one beat each, TTL 60 s
-    errors: list[BaseException] = []
-    waited: list[float] = []
-
-    def run(c: Coordinator, name: str) -> None:
-        try:
-            waited.append(c.barrier(name, ids, timeout=20))
-        except BarrierTimeout as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(c, "all")) for c in cs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == [] and len(waited) == n
-    assert cs[0].read_events()  # stream untouched by barriers
-    client.redis.delete(doomed.keys.hb(ids[5]))  # what its TTL expiring does
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=run, args=(c, "second")) for c in cs if c is not doomed]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert time.monotonic() - t0 < 5.0  # reported within ~one check interval, not 20 s
-    assert len(errors) == n - 1
-    assert all(e.dead == [ids[5]] and e.missing == [ids[5]] for e in errors)
-    assert f"{ids[5]} died or left" in str(errors[0])
 
 
 def test_end_run_is_final_for_live_workers(make, client):
@@ -319,7 +278,41 @@ def test_end_run_is_final_for_live_workers(make, client):
     assert client.redis.exists(a.keys.hb(wb)) == 0
     assert 0 < client.redis.pttl(a.keys.ended) <= 60_000
     b.set_state("gone")  # an exiting worker's last writes do not re-create keys
-    assert b.emit("step", step=9) == ""
+    assert b.emit("step", gen=0, step=9, loss=1.0) == ""
     assert a.run_keys() == []
     with pytest.raises(CoordinatorError, match=rf"run {a.run_id} has ended"):
         make().register()
+
+
+def test_emit_refuses_unknown_types_and_malformed_fields(make):
+    a = make()
+    a.register(heartbeat=False)
+    before = len(a.read_events())
+    with pytest.raises(RecordError, match=r"unknown event type 'migration\.bogus'"):
+        a.emit("migration.bogus", gen=1)
+    with pytest.raises(RecordError, match="step event: field 'loss' must be number"):
+        a.emit("step", gen=0, step=1, loss="low")
+    with pytest.raises(RecordError, match="step event: missing field 'gen'"):
+        a.emit("step", step=1, loss=1.0)
+    with pytest.raises(RecordError, match=r"migration\.done event: unknown field 'speed'"):
+        a.emit("migration.done", gen=1, seconds=1.0, moved_bytes=1, local_bytes=0, speed=3)
+    assert len(a.read_events()) == before  # nothing was written
+
+
+def test_change_requests_queue_pending_take(make):
+    a = make()
+    a.register(heartbeat=False)
+    assert a.pending_changes() == []
+    first = ChangeRequest(to="tp1pp1dp2", drain=(), by="operator", ts=1.0, reason="shrink")
+    second = ChangeRequest(to=None, drain=("w1",), by="operator", ts=2.0)
+    a.request_change(first)
+    a.request_change(second)
+    assert a.pending_changes() == [first, second]
+    a.take_changes(1)
+    assert a.pending_changes() == [second]
+    a.take_changes(5)
+    assert a.pending_changes() == []
+    events = [parse_event(e) for e in a.read_events() if e["type"] == "change.requested"]
+    assert [(e.data.to, e.data.drain) for e in events] == [("tp1pp1dp2", ()), (None, ("w1",))]
+    with pytest.raises(RecordError, match="needs 'to' or a non-empty 'drain'"):
+        ChangeRequest(to=None, drain=(), by="operator", ts=1.0)

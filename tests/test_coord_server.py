@@ -21,6 +21,7 @@ from etcslurm.coord.client import connect, with_password
 from etcslurm.coord.coordinator import Coordinator
 from etcslurm.coord.server import BundledRedis, _alive
 from etcslurm.errors import CoordinatorError
+from tests.helpers import generation_record
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,9 +134,9 @@ def test_call_survives_short_outage(server):
     assert co.last_beat_error is not None  # heartbeats failing meanwhile, thread alive
     server._spawn()  # same port, same password
     server._wait_ready()
-    assert pub.publish_generation({"generation": 0})
+    assert pub.publish_generation(generation_record(0, "tp1pp1dp1", [co.worker_id]))
     t.join(20)
-    assert got and got[0]["generation"] == 0
+    assert got and got[0].generation == 0
     t0 = time.monotonic()
     while co.last_beat_error is not None:  # the heartbeat thread recovers by itself
         assert time.monotonic() - t0 < 5
@@ -151,14 +152,16 @@ def test_redis_unreachable_30s_is_survivable(server):
     co.register()
     server._kill()
     t0 = time.monotonic()
-    got: list[float] = []
-    t = threading.Thread(target=lambda: got.append(co.barrier("b", [co.worker_id], 60)))
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(co.wait_generation(-1, timeout=60)))
     t.start()
     time.sleep(30)
     server._spawn()
     server._wait_ready()
+    pub = Coordinator(connect(server.url, server.password_file, retry_deadline=20), "long")
+    assert pub.publish_generation(generation_record(0, "tp1pp1dp1", [co.worker_id]))
     t.join(40)
-    assert got, "barrier did not complete after the outage"
+    assert got, "wait_generation did not complete after the outage"
     assert time.monotonic() - t0 >= 30
     t1 = time.monotonic()
     while co.last_beat_error is not None:

@@ -2,22 +2,19 @@
 preemption signal during a migration (two resizes back to back), the coordinator's Redis
 restarted and unreachable, state with no surviving holder, a corrupted message.
 
-The scenarios live in ``benchmarks/fault_matrix.py`` (which prints the measured table);
-these tests run them small (gpt-tiny, 8 steps, 2–4 workers, lowered ``dead_after`` /
-``collective_timeout``) and assert: the fault is detected within its bound, an event says
+The scenarios live in ``etcslurm/testing/fault_scenarios.py`` (``benchmarks/fault_matrix.py``
+runs them all and prints the measured table); these tests run them small (gpt-tiny, 8
+steps, 2–4 workers, lowered ``dead_after`` / ``collective_timeout``) and assert: the fault is detected within its bound, an event says
 what happened, the next generation is rebuilt from replicas (nothing missing), the run
 completes with the same losses as a run that never resized, and nothing hangs.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 import threading
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -25,24 +22,12 @@ import pytest
 from etcslurm.core.models import GPTSpec
 from etcslurm.runtime.generation import RunSettings, first_generation, next_generation
 from etcslurm.runtime.launcher import LOSS_TOLERANCE
+from etcslurm.testing import fault_scenarios as fm
 from tests.helpers import pids_alive
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 #: the reference covers the longest scenario (the mid-migration ones run 12 steps)
 REFERENCE_STEPS = 12
-
-
-def _load_matrix() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fault_matrix", ROOT / "benchmarks" / "fault_matrix.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fault_matrix"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fm = _load_matrix()
 
 
 class _Reference:
@@ -319,18 +304,18 @@ def test_stop_decision_names_the_dead_workers() -> None:
     spec = GPTSpec.parse("gpt-tiny")
     settings = RunSettings(spec, "distributed", 12, 1, 2, 2**26)
     start = first_generation(settings, ["w1", "w2"], {"w1": "n0", "w2": "n0"})
-    assert start["to"] == "tp1pp1dp2"
+    assert start.to_layout == "tp1pp1dp2"
     record, migration = next_generation(
         settings, start, leaving=[], dead=["w2"], ready=[], nodes={}, step=3, scalars={},
         reason="recover")
-    assert record["kind"] == "stop" and "w2" in record["reason"]
+    assert record.kind == "stop" and "w2" in record.reason
     assert migration is not None and migration.stats.get("missing_bytes", 0) > 0
     # with Adam every piece has a replica on w1: a resize, nothing missing
     adam = RunSettings(spec, "adam", 12, 1, 2, 2**26)
     record, migration = next_generation(
         adam, first_generation(adam, ["w1", "w2"], {}), leaving=[], dead=["w2"], ready=[],
         nodes={}, step=3, scalars={}, reason="recover")
-    assert record["kind"] == "resize" and record["world"] == 1
+    assert record.kind == "resize" and record.world == 1
     assert not migration.missing
 
 

@@ -1,6 +1,6 @@
 """The megatron-core adapter on real megatron-core + gloo, in separate processes.
 
-Every multi-process check runs ``python -m etcslurm.megatron.selftest`` once per rank
+Every multi-process check runs ``python -m etcslurm.testing.megatron_selftest`` once per rank
 (the CPU shim patches torch globally, so it never runs inside the pytest process) and
 asserts on the JSON the ranks write.  Model: layers=4 hidden=64 heads=4 vocab=1024
 seq=32, global batch 4.
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from etcslurm.megatron.selftest import launch
+from etcslurm.testing.megatron_selftest import launch
 
 TIMEOUT_S = 420
 

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from etcslurm.coord.client import connect
-from etcslurm.monitor.scenario import Scenario
+from etcslurm.testing.scenario import Scenario
 
 pytestmark = pytest.mark.redis
 

@@ -16,6 +16,7 @@ from etcslurm.coord.coordinator import Coordinator
 from etcslurm.monitor import live
 from etcslurm.monitor.model import RunModel
 from etcslurm.monitor.source import RunSource
+from tests.helpers import generation_record
 
 pytestmark = pytest.mark.redis
 
@@ -23,9 +24,7 @@ pytestmark = pytest.mark.redis
 def test_live_loop_refresh_rate_latency_and_cpu(redis_url: str, run_id: str, monkeypatch) -> None:
     client = connect(redis_url)
     op = Coordinator(client, run_id)
-    op.emit("generation.start", gen=0, to="tp1pp1dp2", world=2,
-            assignment=[{"rank": 0, "worker": "a", "node": "n1", "tp": 0, "pp": 0, "dp": 0},
-                        {"rank": 1, "worker": "b", "node": "n1", "tp": 0, "pp": 0, "dp": 1}])
+    op.publish_generation(generation_record(0, "tp1pp1dp2", ["a", "b"], {"a": "n1", "b": "n1"}))
     draws: list[tuple[float, list[str]]] = []
     real_build = live.build
 

@@ -3,28 +3,23 @@ coordinator's API, folded into a RunView, drawn at 80×24."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
-from etcslurm.monitor.model import Event, RunModel, compact_ids, fmt_bytes, rank_coord
+from etcslurm.coord.records import EVENT_TYPES, Event, GenerationStart, event_data
+from etcslurm.monitor.model import Refused, RunModel, compact_ids, fmt_bytes, rank_coord
 from etcslurm.monitor.render import render_run
-from etcslurm.monitor.source import RunSource
+from etcslurm.monitor.source import RunSource, to_event
+from tests.helpers import generation_record
 
 pytestmark = pytest.mark.redis
 
 BEFORE = "tp2pp2dp3"
 AFTER = "tp2pp2dp2"
-
-
-def _assignment(workers: list[str], nodes: dict[str, str], tp: int, dp: int) -> list[dict]:
-    return [
-        {"rank": r, "worker": w, "node": nodes[w], "tp": r % tp, "pp": r // (tp * dp),
-         "dp": (r // tp) % dp}
-        for r, w in enumerate(workers)
-    ]
 
 
 @pytest.fixture
@@ -39,8 +34,7 @@ def resized(redis_url: str, run_id: str):
     ids = [h.worker_id for h in handles]
     nodes = {h.worker_id: h.info["node"] for h in handles}
     lead = handles[0]
-    lead.publish_generation({"generation": 0, "layout": BEFORE, "world": 12,
-                             "assignment": _assignment(ids, nodes, 2, 3)})
+    lead.publish_generation(generation_record(0, BEFORE, ids, nodes))
     for r, h in enumerate(handles):
         h.set_state("active", rank=r, generation=0)
     for step, loss in enumerate([5.0, 4.8, 4.7, 4.5, 4.4, 4.2], start=1):
@@ -49,9 +43,8 @@ def resized(redis_url: str, run_id: str):
         h.emit("worker.signal", worker=h.worker_id, node="n3", signal="SIGUSR2", budget_s=88)
         h.leave(88.0, reason="USR2")
     stay = ids[:8]
-    lead.publish_generation({"generation": 1, "from": BEFORE, "layout": AFTER, "world": 8,
-                             "assignment": _assignment(stay, nodes, 2, 2),
-                             "leaving": ids[8:], "joining": []})
+    lead.publish_generation(generation_record(1, AFTER, stay, nodes, from_layout=BEFORE,
+                                              leaving=tuple(ids[8:])))
     for r, h in enumerate(handles[:8]):
         done = r < 4  # ranks 0-3 are through, 4-7 half-way
         h.emit("migration.progress", gen=1, worker=h.worker_id, rank=r, sent=0, recv=0,
@@ -145,7 +138,7 @@ def test_keys_repair_missed_events(redis_url: str, run_id: str) -> None:
     client = connect(redis_url)
     h = Coordinator(client, run_id, dead_after=60.0, heartbeat_interval=1.0)
     h.register({"node": "n7"}, heartbeat=False)
-    h.publish_generation({"generation": 0, "layout": "tp1pp1dp1", "members": [h.worker_id]})
+    h.publish_generation(generation_record(0, "tp1pp1dp1", [h.worker_id]))
     h.set_state("active", rank=0, generation=0)
     model = RunModel(run_id)
     src = RunSource(client, run_id)
@@ -161,27 +154,46 @@ def test_keys_repair_missed_events(redis_url: str, run_id: str) -> None:
 
 
 def _ev(i: int, type_: str, ts: float, **data) -> Event:
-    return Event(f"{i}-0", type_, ts, data)
+    """An event emitted by ``data["worker"]`` (kept in the payload when its type has it)."""
+    worker = data.get("worker", "w1")
+    if "worker" not in {f.name for f in dataclasses.fields(EVENT_TYPES[type_])}:
+        data.pop("worker", None)
+    return Event(type_, ts, worker, event_data(type_, data), f"{i}-0")
 
 
-def test_unknown_and_partial_events_are_tolerated() -> None:
+def test_refused_and_sparse_events_are_shown_not_folded() -> None:
     m = RunModel("r")
     t = 1000.0
-    m.apply(_ev(1, "frobnicate.now", t, x=1))
-    m.apply(_ev(2, "generation.start", t))  # no gen: ignored
-    m.apply(_ev(3, "migration.progress", t, gen=4))  # progress with nothing else
-    m.apply(_ev(4, "worker.signal", t, signal=12))  # no worker, numeric signal
-    m.apply(_ev(5, "step", t, loss="nan?"))
-    m.apply(_ev(6, "migration.done", t, gen=4))
+    # what the source makes of entries parse_event refuses: one log line each
+    bad = [
+        {"id": "1-0", "type": "frobnicate.now", "ts": t, "worker": "w1", "data": {"x": 1}},
+        {"id": "2-0", "type": "generation.start", "ts": t, "worker": "w1", "data": {}},
+        {"id": "3-0", "type": "step", "ts": t, "worker": "w1",
+         "data": {"gen": 0, "step": 1, "loss": "nan?"}},
+        {"id": "4-0", "type": "step", "ts": t, "worker": "w1",
+         "data": {"gen": 0, "step": 1, "loss": 1.0, "gen_alias": 3}},
+    ]
+    refused = [to_event(e) for e in bad]
+    assert all(isinstance(r, Refused) for r in refused)
+    for r in refused:
+        m.apply(r)
+    # optional fields left out: drawn without them
+    m.apply(_ev(5, "worker.signal", t, worker="w2", signal=12))
+    m.apply(_ev(6, "migration.done", t, gen=4, seconds=1.0, moved_bytes=0, local_bytes=0))
     m.apply(_ev(7, "error", t, message="boom", worker="w3"))
+    m.apply(_ev(8, "error", t, worker="w4", message="bang"))  # the emitter is the subject
     view = m.view(t + 1)
     texts = [e.text for e in view.events]
-    assert texts[0] == 'frobnicate.now: {"x":1}'
-    assert "? preempted: USR2" in texts
-    assert "error on w3: boom" in texts
+    assert texts[0] == "refused event: event 1-0: unknown event type 'frobnicate.now'"
+    assert texts[1] == "refused event: event 2-0 (generation.start): missing field 'generation'"
+    assert "field 'loss' must be number" in texts[2]
+    assert "unknown field 'gen_alias'" in texts[3]
+    assert "w2 preempted: USR2" in texts
+    assert "error on w3: boom" in texts and "error on w4: bang" in texts
     assert view.migration is not None and view.migration.gen == 4
     render_run(view)  # draws without fields it does not have
     assert view.to_json()["migration"]["gen"] == 4
+    assert m.last_id == "8-0"
 
 
 def test_leaving_countdown_and_rate() -> None:
@@ -190,16 +202,17 @@ def test_leaving_countdown_and_rate() -> None:
     m.apply(_ev(2, "worker.signal", 100.0, worker="w1", node="n1", signal="USR2", budget_s=30))
     assert m.view(110.0).nodes[0].devices[0].seconds_left == pytest.approx(20.0)
     assert m.view(200.0).nodes[0].devices[0].seconds_left == 0.0
-    m.apply(_ev(3, "generation.start", 120.0, gen=2, **{"from": "tp2pp1dp1"}, to="tp1pp1dp1"))
-    m.apply(_ev(4, "migration.progress", 122.0, gen=2, worker="w2", rank=0, sent=2e9,
-                recv=0, total_send=4e9, total_recv=0))
+    m.apply(_ev(3, "generation.start", 120.0, generation=2, kind="resize", step=0,
+                world=1, assignment=[], **{"from": "tp2pp1dp1"}, to="tp1pp1dp1"))
+    m.apply(_ev(4, "migration.progress", 122.0, gen=2, worker="w2", rank=0, sent=2_000_000_000,
+                recv=0, total_send=4_000_000_000, total_recv=0))
     (r,) = m.view(122.0).migration.ranks
     assert r.gbps == pytest.approx(1.0) and r.eta_s == pytest.approx(2.0)
     assert r.fraction == 0.5
     (r,) = m.view(124.0).migration.ranks  # no news for 2 s: the rate falls, ETA grows
     assert r.gbps == pytest.approx(0.5) and r.eta_s == pytest.approx(4.0)
-    m.apply(_ev(5, "migration.progress", 125.0, gen=2, worker="w2", rank=0, sent=4e9,
-                recv=0, total_send=4e9, total_recv=0))
+    m.apply(_ev(5, "migration.progress", 125.0, gen=2, worker="w2", rank=0, sent=4_000_000_000,
+                recv=0, total_send=4_000_000_000, total_recv=0))
     (r,) = m.view(200.0).migration.ranks  # finished: rated up to its last report
     assert r.gbps == pytest.approx(0.8) and r.eta_s == 0.0
 
@@ -221,9 +234,13 @@ def test_state_lines_follow_the_event_not_a_newer_key() -> None:
 def test_gen_key_read_before_the_generation_event() -> None:
     """publish_generation SETs the gen key, then emits: a key read may come in between."""
     m = RunModel("r")
-    m.apply(_ev(1, "generation.start", 1.0, generation=0, layout="tp2pp2dp3"))
-    m.set_keys(gen={"generation": 1, "layout": "tp2pp2dp2"})  # no "from" in this record
-    m.apply(_ev(2, "generation.start", 2.0, generation=1, layout="tp2pp2dp2"))
+    ws = [f"w{i}" for i in range(12)]
+    m.apply(_ev(1, "generation.start", 1.0,
+                **GenerationStart.of(generation_record(0, "tp2pp2dp3", ws)).to_json()))
+    # the gen key of generation 1, read before its event (no "from" in this record)
+    m.set_keys(gen=generation_record(1, "tp2pp2dp2", ws[:8], kind="resize"))
+    m.apply(_ev(2, "generation.start", 2.0, **GenerationStart.of(
+        generation_record(1, "tp2pp2dp2", ws[:8], kind="resize")).to_json()))
     mig = m.view(2.0).migration
     assert (mig.from_layout, mig.to_layout) == ("tp2pp2dp3", "tp2pp2dp2")
     assert m.log[-1].text == "gen 1: tp2pp2dp3 → tp2pp2dp2 (8 ranks)"

@@ -1,7 +1,7 @@
 """``etcslurm monitor`` in a real terminal: tmux at 80×24, a run resizing tp2pp2dp3 →
 tp2pp2dp2 while we watch, screens captured with ``capture-pane`` and checked.
 
-SKELETON FOR THE DEMO: the events come from :class:`etcslurm.monitor.scenario.Scenario`
+SKELETON FOR THE DEMO: the events come from :class:`etcslurm.testing.scenario.Scenario`
 (real coordinator API, scripted numbers) so the test can pause the run at each phase
 (``gates``) and look at the screen.  To point it at the real ``etcslurm demo``, replace
 :func:`start_run` with one that launches the demo on ``redis_url``/``run_id`` and drop
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from etcslurm.coord.client import connect
-from etcslurm.monitor.scenario import Scenario
+from etcslurm.testing.scenario import Scenario
 
 TMUX = shutil.which("tmux")
 pytestmark = [

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from etcslurm.coord.records import Assignment, ChangeRequest, GenerationRecord
 from etcslurm.core.gpt_state import expand
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.planner import plan
 from etcslurm.errors import UsageError
-from etcslurm.runtime.generation import RunSettings, first_generation, next_generation, plan_inputs
+from etcslurm.runtime.generation import (
+    RunSettings,
+    check_request,
+    end_generation,
+    first_generation,
+    next_generation,
+    plan_inputs,
+    worth_changing,
+)
 from etcslurm.runtime.schedule import active_after, parse_schedule
 
 SPEC = GPTSpec.parse("gpt-tiny")
@@ -25,9 +36,10 @@ def nodes(*workers: str) -> dict[str, str]:
 
 def test_first_generation_takes_workers_in_order() -> None:
     rec = first_generation(settings(), ["w1", "w2", "w3", "w4"], nodes("w1", "w2", "w3", "w4"))
-    assert rec["to"] == "tp1pp1dp4"
-    assert [a["worker"] for a in rec["assignment"]] == ["w1", "w2", "w3", "w4"]
-    assert rec["idle"] == []
+    assert rec.to_layout == "tp1pp1dp4"
+    assert rec.workers_by_rank() == ["w1", "w2", "w3", "w4"]
+    assert rec.idle == () and rec.rank_of("w3") == 2 and rec.rank_of("w9") is None
+    assert GenerationRecord.from_json(rec.to_json()) == rec
 
 
 def test_shrink_by_one_replica_moves_nothing_and_keeps_ranks_local() -> None:
@@ -35,10 +47,11 @@ def test_shrink_by_one_replica_moves_nothing_and_keeps_ranks_local() -> None:
     gen1 = first_generation(settings(), ws, nodes(*ws))
     rec, migration = next_generation(settings(), gen1, leaving=["w4"], dead=[], ready=[],
                                      nodes=nodes(*ws), step=15, scalars={}, reason="t")
-    assert rec["kind"] == "resize" and rec["to"] == "tp1pp1dp3"
-    assert rec["leaving"] == ["w4"] and "w4" not in rec["union"][:0]
+    assert rec.kind == "resize" and rec.to_layout == "tp1pp1dp3"
+    assert rec.leaving == ("w4",) and "w4" in rec.union
     assert migration is not None and migration.stats["moved_bytes"] == 0
-    assert sorted(a["worker"] for a in rec["assignment"]) == ["w1", "w2", "w3"]
+    assert sorted(rec.workers_by_rank()) == ["w1", "w2", "w3"]
+    assert GenerationRecord.from_json(rec.to_json()) == rec
 
 
 def test_joiners_receive_full_replicas_and_extra_device_idles() -> None:
@@ -48,7 +61,7 @@ def test_joiners_receive_full_replicas_and_extra_device_idles() -> None:
                                      nodes={**nodes(*ws), "w5": "j0", "w6": "j0"}, step=30,
                                      scalars={}, reason="t")
     # 5 devices: global batch 12 does not split over dp5 -> dp4, one idles
-    assert rec["to"] == "tp1pp1dp4" and len(rec["idle"]) == 1
+    assert rec.to_layout == "tp1pp1dp4" and len(rec.idle) == 1
     assert migration is not None
     one_replica = sum(p.nbytes for p in expand(SPEC, ParallelConfig.parse("tp1pp1dp4")).classes[0])
     assert migration.stats["moved_bytes"] == one_replica
@@ -62,19 +75,90 @@ def test_everyone_leaving_asks_for_a_checkpoint() -> None:
     gen = first_generation(settings(), ws, nodes(*ws))
     rec, migration = next_generation(settings(), gen, leaving=ws, dead=[], ready=[],
                                      nodes=nodes(*ws), step=7, scalars={}, reason="t")
-    assert rec["kind"] == "checkpoint" and migration is None
+    assert rec.kind == "checkpoint" and migration is None
 
 
 def test_dead_sole_holder_stops_the_run_with_a_reason() -> None:
     s = RunSettings(SPEC, "adam", 12, 1, gpus_per_node=2, staging_bytes=1 << 20)
     ws = ["w1", "w2"]
     gen = first_generation(s, ws, nodes(*ws))
-    gen = {**gen, "to": "tp2pp1dp1", "assignment": [
-        {"rank": 0, "worker": "w1", "node": "n0", "tp": 0, "pp": 0, "dp": 0},
-        {"rank": 1, "worker": "w2", "node": "n0", "tp": 1, "pp": 0, "dp": 0}]}
+    gen = replace(gen, to_layout="tp2pp1dp1", assignment=(
+        Assignment(0, "w1", "n0", 0, 0, 0), Assignment(1, "w2", "n0", 1, 0, 0)))
     rec, _ = next_generation(s, gen, leaving=[], dead=["w2"], ready=["w3"],
                              nodes={**nodes(*ws), "w3": "j0"}, step=3, scalars={}, reason="t")
-    assert rec["kind"] == "stop" and "w2" in rec["reason"]
+    assert rec.kind == "stop" and "w2" in rec.reason
+
+
+def _request(to: str | None = None, *drain: str) -> ChangeRequest:
+    return ChangeRequest(to=to, drain=tuple(drain), by="operator", ts=1.0)
+
+
+def test_requested_layout_is_used_kept_and_released() -> None:
+    ws = ["w1", "w2", "w3", "w4"]
+    gen = first_generation(settings(), ws, nodes(*ws))
+    req = _request("tp1pp1dp2")
+    assert check_request(settings(), gen, req) is None
+    assert worth_changing(settings(), gen, leaving=[], dead=[], ready=[], request=req)
+    rec, migration = next_generation(settings(), gen, leaving=[], dead=[], ready=[],
+                                     nodes=nodes(*ws), step=5, scalars={}, reason="operator",
+                                     request=req)
+    assert rec.kind == "resize" and rec.to_layout == "tp1pp1dp2" and rec.requested == "tp1pp1dp2"
+    assert len(rec.idle) == 2 and migration is not None and migration.stats["moved_bytes"] == 0
+    assert "requested by operator" in rec.layout_reason
+    # the idle standbys are no reason to grow back while the operator's layout is in force
+    assert not worth_changing(settings(), rec, leaving=[], dead=[], ready=list(rec.idle))
+    # a leaver: the requested layout still fits (an idle one takes its place)
+    leaver = rec.workers_by_rank()[0]
+    nxt, _ = next_generation(settings(), rec, leaving=[leaver], dead=[], ready=list(rec.idle),
+                             nodes=nodes(*ws), step=6, scalars={}, reason="leave")
+    assert nxt.to_layout == "tp1pp1dp2" and nxt.requested == "tp1pp1dp2"
+    # "auto" goes back to the automatic choice
+    back, _ = next_generation(settings(), rec, leaving=[], dead=[], ready=list(rec.idle),
+                              nodes=nodes(*ws), step=6, scalars={}, reason="op",
+                              request=_request("auto"))
+    assert back.to_layout == "tp1pp1dp4" and back.requested is None
+
+
+def test_drain_treats_workers_as_leaving() -> None:
+    ws = ["w1", "w2", "w3", "w4"]
+    gen = first_generation(settings(), ws, nodes(*ws))
+    req = _request(None, "w2")
+    assert worth_changing(settings(), gen, leaving=[], dead=[], ready=[], request=req)
+    rec, _ = next_generation(settings(), gen, leaving=[], dead=[], ready=[], nodes=nodes(*ws),
+                             step=5, scalars={}, reason="operator", request=req)
+    assert rec.leaving == ("w2",) and "w2" not in rec.workers_by_rank()
+    assert rec.to_layout == "tp1pp1dp3"
+
+
+@pytest.mark.parametrize(("to", "drain", "why"), [
+    ("tp1pp1dp6", (), "needs 6 workers, only 4 are available"),
+    ("tp3pp1dp1", (), "not divisible by tp=3"),
+    ("tp1pp1dp3", ("w1",), None),
+    (None, ("w9",), "cannot drain w9"),
+])
+def test_invalid_requests_are_ignored_with_a_reason(to: str | None, drain: tuple[str, ...],
+                                                    why: str | None) -> None:
+    ws = ["w1", "w2", "w3", "w4"]
+    gen = first_generation(settings(), ws, nodes(*ws))
+    req = _request(to, *drain)
+    problem = check_request(settings(), gen, req)
+    if why is None:
+        assert problem is None
+        return
+    assert problem is not None and why in problem
+    assert not worth_changing(settings(), gen, leaving=[], dead=[], ready=[], request=req)
+    rec, _ = next_generation(settings(), gen, leaving=["w4"], dead=[], ready=[],
+                             nodes=nodes(*ws), step=5, scalars={}, reason="leave", request=req)
+    assert rec.to_layout == "tp1pp1dp3" and "change request by operator ignored" in rec.reason
+
+
+def test_end_record_follows_the_current_one() -> None:
+    ws = ["w1", "w2"]
+    gen = first_generation(settings(), ws, nodes(*ws))
+    end = end_generation(gen, step=20, reason="finished 20 steps")
+    assert end.kind == "end" and end.generation == 1 and end.union == ()
+    assert end.to_layout == gen.to_layout == end.from_layout
+    assert GenerationRecord.from_json(end.to_json()) == end
 
 
 def test_schedule_parsing_and_errors() -> None:

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from etcslurm.cli import main as cli_main
-from etcslurm.slurm import probe
 from etcslurm.slurm.submission import submit
+from etcslurm.testing import probe
 from tests.helpers import job_state, sh, wait_for
 
 pytestmark = pytest.mark.slurm
@@ -39,7 +39,7 @@ def reports(out: Path, n: int, timeout: float = 90) -> list[dict[str, Any]]:
 
 
 def probe_cmd(out: Path, duration: float, linger: float = 1.0) -> str:
-    return f"{sys.executable} -m etcslurm.slurm.probe --out {out} --duration {duration} --linger {linger}"
+    return f"{sys.executable} -m etcslurm.testing.probe --out {out} --duration {duration} --linger {linger}"
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The REAL elastic runtime on the REAL local Slurm cluster (sbin/slurm-cluster).
 
-Workers are the real elastic worker (``etcslurm.runtime.worker``, paced by
-``etcslurm.slurm.paced_worker`` so a run outlives Slurm's reaction times) started by ``templates/elastic.sbatch``
+Workers are the real elastic worker (``etcslurm.runtime.worker``, paced by its
+``--min-step-seconds`` so a run outlives Slurm's reaction times) started by ``templates/elastic.sbatch``
 / ``grow.sbatch`` (or by Submitit); "preemption" is a job in the ``high`` partition
 taking a node, so Slurm itself signals (``preempt_send_user_signal``: USR2) and, after
 the partition's GraceTime, kills.  Each test checks the loss curve against a
@@ -33,7 +33,7 @@ from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
 from etcslurm.core.models import GPTSpec
 from etcslurm.runtime.launcher import LOSS_TOLERANCE, DemoOptions, run_demo
-from etcslurm.runtime.session import SessionConfig
+from etcslurm.runtime.config import RunSettings
 from etcslurm.slurm.submission import grow, submit
 from tests.helpers import job_state, sh
 from tests.helpers import wait_for as _wait_for
@@ -52,12 +52,12 @@ STEPS = 24
 GLOBAL_BATCH = 12
 SEED = 4321
 RUN_TIMEOUT = 900.0  # a whole run on 2 heavily shared cores
-# The real worker, each step lasting >= 3 s (etcslurm.slurm.paced_worker): on idle CPUs
+# The real worker, each step lasting >= 3 s (its --min-step-seconds): on idle CPUs
 # this model trains a step in ~0.1 s and the run would end before Slurm or a joining
 # job's imports could take part.  Collective timeout: workers of different Slurm jobs
 # start seconds apart on a loaded machine.
 WORKER_ARGS = ["--min-step-seconds", "3", "--collective-timeout", "60", "--dead-after", "20"]
-WORKER_MODULE = "etcslurm.slurm.paced_worker"
+WORKER_MODULE = "etcslurm.runtime.worker"
 WORKER_CMD = f"{sys.executable} -m {WORKER_MODULE} " + " ".join(WORKER_ARGS)
 
 
@@ -77,10 +77,9 @@ def preempt_node(node: str, out: Path) -> str:
               "-o", str(out / "high-%j.out"), "--wrap", "sleep 1")
 
 
-def session_config(run_id: str, redis_url: str, workers: int, run_dir: Path) -> SessionConfig:
-    return SessionConfig(run_id=run_id, redis_url=redis_url, spec=GPTSpec.parse(MODEL),
-                         global_batch=GLOBAL_BATCH, seed=SEED, steps=STEPS,
-                         initial_workers=workers, gpus_per_node=1, run_dir=str(run_dir))
+def run_settings(workers: int) -> RunSettings:
+    return RunSettings(model=GPTSpec.parse(MODEL), global_batch=GLOBAL_BATCH, seed=SEED,
+                       steps=STEPS, initial_workers=workers, gpus_per_node=1)
 
 
 class Run:
@@ -90,7 +89,7 @@ class Run:
         self.run_id, self.run_dir = run_id, run_dir
         self.coord = Coordinator(connect(redis_url), run_id)
         # the run spec every worker reads (what a template's setup_cmd would store)
-        self.coord.ensure_spec(session_config(run_id, redis_url, initial_workers, run_dir).run_spec())
+        self.coord.ensure_spec(run_settings(initial_workers).to_json())
         self.last = "0"
         self.events: list[dict[str, Any]] = []
         self.losses: dict[int, list[float]] = {}

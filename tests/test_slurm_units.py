@@ -10,11 +10,11 @@ import pytest
 
 from etcslurm.cli import main as cli_main
 from etcslurm.errors import UsageError
-from etcslurm.slurm.environment import SlurmEnvironment, expand_hostlist
-from etcslurm.slurm.signals import SignalTrap, compute_budget, parse_signal
+from etcslurm.job.environment import SlurmEnvironment, expand_hostlist
+from etcslurm.job.signals import SignalTrap, compute_budget, parse_signal
 from etcslurm.slurm.templates import load_template, render, render_het
 
-BASE = {"run_id": "r1", "worker_cmd": "python -m etcslurm.slurm.probe --out /tmp/x"}
+BASE = {"run_id": "r1", "worker_cmd": "python -m etcslurm.testing.probe --out /tmp/x"}
 
 
 # ---- templates -------------------------------------------------------------------------------
@@ -189,8 +189,8 @@ def test_fallback_hands_the_signal_to_the_previous_handler() -> None:
 
 
 def test_submitit_local_executor_runs_the_elastic_task(tmp_path: object) -> None:
-    from etcslurm.slurm import probe
     from etcslurm.slurm.submission import submit
+    from etcslurm.testing import probe
 
     res = submit(probe.submitit_report, via="submitit", cluster="local", run_id="t-local",
                  nodes=1, time_limit=5, redis_url="redis://:pw@127.0.0.1:1/0",
@@ -204,7 +204,7 @@ def test_submitit_local_executor_runs_the_elastic_task(tmp_path: object) -> None
 
 def test_cli_submit_via_submitit_local(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli_main(["submit", "--via", "submitit", "--cluster", "local",
-                   "--worker", "etcslurm.slurm.probe:submitit_report", "--set", "run_id=t-cli",
+                   "--worker", "etcslurm.testing.probe:submitit_report", "--set", "run_id=t-cli",
                    "--set", "time=5", "--workdir", str(tmp_path)])
     assert rc == 0 and "submitted run t-cli as Submitit job" in capsys.readouterr().out
     from pathlib import Path

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from etcslurm.bench.launch import launch
-from etcslurm.bench.synthetic import SynthMessage, global_tensor, needed_pieces, synthetic_plan
 from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError
+from etcslurm.testing.synthetic import SynthMessage, global_tensor, needed_pieces, synthetic_plan
 from etcslurm.transfer.executor import (
     DIRECT_MIN_BYTES,
     ViewIndex,
@@ -24,7 +24,7 @@ N = 4
 
 @pytest.fixture(scope="module")
 def selftest() -> list[dict]:
-    return launch("etcslurm.bench.synthetic:executor_selftest", N, {"repeats": 10, "wait": 3},
+    return launch("etcslurm.testing.synthetic:executor_selftest", N, {"repeats": 10, "wait": 3},
                   timeout=240)
 
 

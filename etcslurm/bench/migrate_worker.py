@@ -31,10 +31,12 @@ socket copy and cost 2.4-4x (docs/migration.md).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -47,15 +49,10 @@ from etcslurm.bench.worker import WorkerContext
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.state import Piece
-from etcslurm.errors import MigrationError, StateLostError
+from etcslurm.errors import StateLostError
 from etcslurm.groups import lifecycle as groups
-from etcslurm.transfer.executor import (
-    DIRECT_MIN_BYTES,
-    check_fills,
-    execute,
-    staging_arena,
-    transport_only,
-)
+from etcslurm.runtime.migration import Migration, MigrationJob, PhaseClock
+from etcslurm.transfer.executor import DIRECT_MIN_BYTES, transport_only
 
 
 def _max(value: float) -> float:
@@ -125,10 +122,11 @@ def _close(baseline: Any) -> None:
 
 
 def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str) -> dict[str, Any]:
+    from etcslurm.core.gpt_state import rank_pieces
     from etcslurm.core.planner import plan_for_gpt
     from etcslurm.megatron import parallel
     from etcslurm.megatron.model import TrainHyper, build_gpt
-    from etcslurm.megatron.scalars import extract_scalars, restore_scalars
+    from etcslurm.megatron.scalars import extract_scalars
     from etcslurm.megatron.sharded_meta import local_state
     from etcslurm.megatron.train import train_step
 
@@ -168,7 +166,6 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
             losses.append(train_step(trainee))
         out["losses_before"] = losses
         state = local_state(trainee)
-        _check_holdings(spec, old, index, optimizer, state.pieces, "old")
         held = state.items()
         out["held_bytes"] = state.nbytes
         scalars = extract_scalars(trainee)
@@ -197,72 +194,68 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
     else:
         progress("waiting-for-old")
         ctx.store.wait(["bench/old_done"], phase_wait)
-    # ------------------------------------------- 1. new world first, its model built
+    # ------------------------------------- 1-2. the runtime's own migration sequence
+    # (etcslurm.runtime.migration: new world and model first -- untimed, exactly as the
+    # checkpoint path's model is built before its timed load --, exchange group, plan,
+    # prepare, exchange ``repeat`` times, commit), each phase timed as its slowest member's
     n_union = n_old + n_join
-    ranks = {str(r): r for r in range(n_old)} | {f"join:{j}": n_old + j for j in range(n_join)}
+    members = [str(r) for r in range(n_old)] + [f"join:{j}" for j in range(n_join)]
     new_rank = plan.assignment.index(device) if device in plan.assignment else None
     out["new_rank"] = new_rank
     steps_after = int(c.get("steps_after", 2))
-    p2p_model = None
-    if new_rank is not None:
-        # Like the checkpoint path below (its model is built before the timed load), the
-        # P2P model is built before the timed migration: the exchange then writes straight
-        # into it.  The old model stays readable: tearing its world down frees no tensor.
+    if new_rank is not None and scalars is None:
+        scalars = json.loads(ctx.store.get("bench/scalars"))
+    direct_min = int(c.get("direct_min_bytes") or DIRECT_MIN_BYTES)
+
+    def form_and_build(generation: int, layout: ParallelConfig, rank: int) -> Any:
         progress("build-new")
-        parallel.init_parallel(new, new_rank, new.world_size, ctx.store, 1, timeout_s=timeout)
-        p2p_model = build_gpt(spec, new, optimizer, seed, hyper=hyper)
-    else:
-        groups.teardown()  # leaving or idle: only the exchange group is needed
-    # ------------------------------------------- 2. exchange group over old devices + joiners
-    progress("exchange-group")
-    xg = groups.exchange_group(ctx.store, 1, index, n_union, timeout=timeout)
-    try:
+        parallel.init_parallel(layout, rank, layout.world_size, ctx.store, generation,
+                               timeout_s=timeout)
+        return build_gpt(spec, layout, optimizer, seed, hyper=hyper)
+
+    job = MigrationJob(
+        generation=1, me=device, members=members, new_rank=new_rank, layout=new, held=held,
+        scalars=scalars if new_rank is not None else None,
+        plan=lambda: plan_for_gpt(spec, old, new, leaving=[str(r) for r in leave],
+                                  joiners=n_join, optimizer=optimizer,
+                                  staging_bytes=int(c["plan_staging_bytes"])),
+        old=(old, index) if index < n_old else None,
+        expected=lambda layout, rank: rank_pieces(spec, layout, rank, optimizer),
+    )
+
+    def before_exchange(m: Migration) -> None:
         if c.get("measure_bandwidth", False) and n_union >= 2:
-            out["pair_bandwidth"] = _pair_bandwidth(xg, index, int(c.get("bandwidth_mbytes", 128)),
-                                                    timeout)
-        # One staging arena per process, allocated and touched once, reused by every
-        # migration of the process (as a long-lived trainer keeps it); its one-off set-up
-        # is reported apart, like the checkpoint writer's start-up.
-        needed = local_state(p2p_model).items() if p2p_model is not None else []
-        direct_min = int(c.get("direct_min_bytes") or DIRECT_MIN_BYTES)
-        t0 = time.perf_counter()
-        arena = staging_arena(plan.messages, device, None, direct_min=direct_min, held=held,
-                              needed=needed)
-        out["arena_setup_seconds"] = _group_max(xg, time.perf_counter() - t0, timeout)
-        # the runtime plans at migration time: time it here (every rank plans)
-        plan_seconds, plan = _timed_group_max(xg, timeout, lambda: plan_for_gpt(
-            spec, old, new, leaving=[str(r) for r in leave], joiners=n_join,
-            optimizer=optimizer, staging_bytes=int(c["plan_staging_bytes"])))
-        out["plan_seconds"] = plan_seconds
-        local_slices = list(plan.local.get(device, [])) if new_rank is not None else []
-        check_fills(needed, local_slices, plan.messages, device, f"rank {new_rank} (P2P)")
+            out["pair_bandwidth"] = _pair_bandwidth(m.group, index,
+                                                    int(c.get("bandwidth_mbytes", 128)), timeout)
         # the same buffers and segments through the same group with nothing else: the
         # transport's floor (before the exchange: it leaves stale bytes in the new model)
+        assert m.plan is not None and m.arena is not None
         out["transport_seconds"] = [
-            _timed_group_max(xg, timeout, lambda: transport_only(
-                plan.messages, device, ranks, arena, held, needed, group=xg,
+            _timed_group_max(m.group, timeout, lambda: transport_only(
+                m.plan.messages, device, m.ranks, m.arena, held, m.needed, group=m.group,
                 timeout=timeout, direct_min=direct_min))[0]
             for _ in range(repeat)
         ]
-        p2p_times, stats = [], None
-        for rep in range(repeat):
-            def run(rep: int = rep) -> Any:
-                return execute(
-                    plan.messages, local_slices, device, ranks, held, needed,
-                    staging_cap=int(c["staging_bytes"]), timeout=timeout, group=xg,
-                    arena=arena, direct_min=direct_min,
-                    progress=lambda info, rep=rep: progress("p2p", repeat=rep, **info),
-                )
 
-            seconds, stats = _timed_group_max(xg, timeout, run)
-            p2p_times.append(seconds)
-    finally:
-        groups.close_exchange_group(xg)
-    out["exchange_seconds"] = p2p_times
-    out["transfer"] = stats.to_json() if stats is not None else None
+    progress("exchange-group")
+    migration = Migration(
+        job, store=ctx.store, form_and_build=form_and_build,
+        staging_cap=int(c["staging_bytes"]), timeout=timeout, group_timeout=timeout,
+        progress=lambda info: progress("p2p", **info), direct_min=direct_min,
+        clock=_SlowestClock(timeout),
+    )
+    result = migration.run(repeat=repeat, before_exchange=before_exchange)
+    p2p_model, plan = result.trainee, result.plan
+    # one-off, reported apart like the checkpoint writer's start-up: the arena's first
+    # allocation and touch (with the holdings and coverage checks)
+    out["arena_setup_seconds"] = result.phase("prepare")
+    restore_s = result.phase("commit")
+    out["plan_seconds"] = result.phase("plan")
+    out["exchange_seconds"] = result.seconds["exchange"]
+    out["transfer"] = result.stats.to_json()
     out["plan_stats"] = plan.stats
     # the old state is no longer needed anywhere: every slice is in the new model now
-    arena, held, trainee, state, stats, needed = None, [], None, None, None, []
+    migration, result, held, trainee, state, job = None, None, [], None, None, None
     gc.collect()
     if new_rank is None:  # leaving or idle: pieces handed over, done
         _close(baseline)
@@ -271,12 +264,8 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         return out
     out["role"] = "new"
     # ---------------------------------------------------------------- 3. new world
-    if scalars is None or index != 0:
-        scalars = json.loads(ctx.store.get("bench/scalars"))
-    restore_s, _ = _timed_barrier_max(lambda: restore_scalars(p2p_model, scalars))
     out["restore_seconds"] = restore_s
     p2p_live = local_state(p2p_model)
-    _check_holdings(spec, new, new_rank, optimizer, p2p_live.pieces, "new")
     p2p_prints = {p: _fingerprint(v) for p, v in p2p_live.items()}
     if c.get("verify_global", True):
         reference = GlobalState(work / "global")
@@ -332,22 +321,6 @@ def _fingerprint(t: torch.Tensor) -> str:
                            digest_size=16).hexdigest()
 
 
-def _check_holdings(spec: GPTSpec, cfg: ParallelConfig, rank: int, optimizer: str,
-                    live: list[Piece], what: str) -> None:
-    """The live pieces must be the planner's analytic ones (else the plan is wrong)."""
-    from etcslurm.core.gpt_state import rank_pieces
-
-    planned = set(rank_pieces(spec, cfg, rank, optimizer))
-    got = set(live)
-    if planned != got:
-        extra = sorted(got - planned)[:2]
-        lacking = sorted(planned - got)[:2]
-        raise MigrationError(
-            f"{what} layout {cfg} rank {rank}: live state differs from core.gpt_state "
-            f"(live only: {extra}; planned only: {lacking})"
-        )
-
-
 def _pair_bandwidth(xg: Any, index: int, mbytes: int, timeout: float) -> dict[str, float]:
     """Best-of-3 one-way bandwidth rank 0 -> rank 1 on the exchange group (resident
     buffers on both ends)."""
@@ -388,3 +361,31 @@ class _NoCheckpoint:
             view.copy_(reference.expected(piece))
         if self.scalars is not None:
             restore_scalars(trainee, self.scalars)
+
+
+class _SlowestClock(PhaseClock):
+    """Times each phase as its slowest participant's: between two all-reduces of the
+    exchange group (plan, prepare, exchange), or of the new world (commit).  The build is
+    timed locally (untimed in the report, like the checkpoint path's build)."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__()
+        self.timeout = timeout
+
+    @contextlib.contextmanager
+    def phase(self, name: str, migration: Migration) -> Iterator[None]:
+        group, new_member = migration.group, migration.trainee is not None
+        if name == "build" or (group is None and not new_member):
+            with super().phase(name, migration):
+                yield
+            return
+        if group is not None:
+            _group_max(group, 0.0, self.timeout)
+        else:
+            dist.barrier()
+        t0 = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - t0
+        worst = (_group_max(group, seconds, self.timeout) if group is not None
+                 else _max(seconds))
+        self.seconds.setdefault(name, []).append(worst)

@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "monitor",
     "submit",
     "grow",
+    "resize",
     "coordinator",
 )
 

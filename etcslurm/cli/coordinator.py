@@ -64,17 +64,14 @@ def _check_port(port: int) -> None:
 
 
 def _start(args: argparse.Namespace) -> int:
-    from etcslurm.coord.server import BundledRedis, _alive, read_state
+    from etcslurm.coord.server import BundledRedis, read_state, running_state
 
     _check_port(args.port)
-    try:
-        state = read_state(args.run_dir)
-        if _alive(int(state["pid"])):  # type: ignore[arg-type]
-            sys.stderr.write(f"coordinator already running for {args.run_dir}\n")
-            print(json.dumps(state) if args.json else state["url"])
-            return 0
-    except Exception:  # no or stale state file: start a new one
-        pass
+    state = running_state(args.run_dir)
+    if state is not None:  # else no or stale state file: start a new one
+        sys.stderr.write(f"coordinator already running for {args.run_dir}\n")
+        print(json.dumps(state) if args.json else state["url"])
+        return 0
     srv = BundledRedis(
         args.run_dir, host=args.bind, port=args.port, persist=args.persist,
         executable=args.redis_server, ready_timeout=args.ready_timeout,
@@ -130,14 +127,14 @@ def _grant(args: argparse.Namespace) -> int:
 
     from etcslurm.coord.acl import grant_run_user
     from etcslurm.coord.client import connect, redact, with_password
-    from etcslurm.coord.server import _write_private, read_state
+    from etcslurm.coord.server import read_state, write_private
 
     state = read_state(args.run_dir)
     admin = connect(str(state["url"]), str(state["password_file"]))
     user, password = grant_run_user(admin, args.run_id)
     admin.close()
     pw_file = Path(args.run_dir) / f"{user}.password"
-    _write_private(pw_file, password + "\n")
+    write_private(pw_file, password + "\n")
     sys.stderr.write(f"password of {user} written to {pw_file} (mode 0600)\n")
     print(redact(with_password(str(state["url"]), password, username=user)).replace(":***", ""))
     return 0

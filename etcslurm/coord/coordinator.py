@@ -1,4 +1,4 @@
-"""The per-run coordinator API: membership, leader, generations, barrier, flags, events.
+"""The per-run coordinator API: membership, leader, generations, change requests, events.
 
 Why Redis and not a rank: the coordinator must outlive any worker (a leaving or killed
 rank must never take the rendezvous down with it).  Everything of a run lives under
@@ -12,10 +12,15 @@ Typical use by a worker::
     wid = coord.register({"device": "cpu:0", "address": "10.0.0.5"})  # starts heartbeats
     ...
     if coord.is_leader():
-        coord.publish_generation({"generation": g, "members": [...], ...})
+        rec = first_generation(settings, workers, nodes)  # runtime/generation.py
+        coord.publish_generation(rec)  # a GenerationRecord (coord/records.py)
     rec = coord.wait_generation(after=g - 1, timeout=60)
-    coord.barrier(f"gen{g}:ready", rec["members"], timeout=60)
-    coord.set_state("active", rank=rec["ranks"][wid])
+    coord.set_state("active", rank=rec.rank_of(wid), generation=rec.generation)
+    coord.emit("step", gen=rec.generation, step=1, loss=5.2)  # checked against records.py
+
+Generation records, events and change requests are the typed records of
+:mod:`etcslurm.coord.records`: what is written is checked, what is read is parsed, and
+an unknown or malformed one raises :class:`~etcslurm.errors.RecordError`.
 """
 
 from __future__ import annotations
@@ -26,13 +31,20 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from etcslurm.coord import schema, scripts
 from etcslurm.coord.client import CoordClient
-from etcslurm.coord.schema import Keys, dumps, loads_dict
-from etcslurm.errors import CoordinatorError, UsageError, WaitTimeout
+from etcslurm.coord.records import (
+    ChangeRequest,
+    ChangeRequested,
+    GenerationRecord,
+    GenerationStart,
+    event_data,
+)
+from etcslurm.coord.schema import Keys, dumps, loads, loads_dict
+from etcslurm.errors import CoordinatorError, RecordError, UsageError, WaitTimeout
 
 log = logging.getLogger(__name__)
 
@@ -50,27 +62,12 @@ class SpecMismatch(CoordinatorError):
     """A worker's run spec (model, seed, global batch, ...) differs from the run's."""
 
 
-class BarrierTimeout(WaitTimeout):
-    """A barrier did not complete; ``missing`` lists who never arrived, ``dead`` who died."""
-
-    def __init__(self, message: str, missing: list[str], dead: list[str]) -> None:
-        super().__init__(message)
-        self.missing = missing
-        self.dead = dead
-
-
 def _seq(worker_id: str) -> int:
     """The registration number inside a worker id ``w<n>`` (others sort last)."""
     try:
         return int(worker_id[1:]) if worker_id.startswith("w") else 1 << 62
     except ValueError:
         return 1 << 62
-
-
-def _names(ids: Iterable[str], limit: int = 20) -> str:
-    ids = sorted(ids, key=lambda w: (_seq(w), w))
-    shown = ", ".join(ids[:limit])
-    return shown + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
 
 
 def _slurm_env() -> dict[str, Any]:
@@ -133,12 +130,9 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         r = client.redis
         self._get = r.register_script(scripts.GET_BOUNDED)
-        self._hget = r.register_script(scripts.HGET_BOUNDED)
         self._hgetall = r.register_script(scripts.HGETALL_BOUNDED)
         self._gen_cas = r.register_script(scripts.GEN_CAS)
         self._beat = r.register_script(scripts.HEARTBEAT)
-        self._arrive = r.register_script(scripts.BARRIER_ARRIVE)
-        self._break = r.register_script(scripts.BARRIER_BREAK)
         self._hset_live = r.register_script(scripts.HSET_UNLESS_ENDED)
         self._xadd_live = r.register_script(scripts.XADD_UNLESS_ENDED)
         self._max_set = r.register_script(scripts.MAX_SET_UNLESS_ENDED)
@@ -149,10 +143,6 @@ class Coordinator:
             f"read {key}", lambda r: self._get(keys=[key], args=[self.max_value_bytes]), deadline
         )
         return loads_dict(raw, key, self.max_value_bytes)
-
-    def _write(self, key: str, value: Any, deadline: float | None = None) -> None:
-        raw = dumps(value, key, self.max_value_bytes)
-        self.client.call(f"write {key}", lambda r: r.set(key, raw), deadline)
 
     def _workers_raw(self, deadline: float | None = None) -> dict[str, dict]:
         key = self.keys.workers
@@ -360,10 +350,12 @@ class Coordinator:
                   leave_deadline=self.info.get("leave_deadline"))
 
     def leave(self, within: float, reason: str = "signal") -> None:
-        """Announce that this worker leaves within ``within`` seconds; asks for a resize."""
+        """Announce that this worker leaves within ``within`` seconds; asks for a resize
+        (a change request draining this worker)."""
+        wid = self._require_worker()
         self.set_state(LEAVING, leave_within=within)
-        self.request_change(f"{self.worker_id} leaving ({reason})", worker=self.worker_id,
-                            kind="leave")
+        self.request_change(ChangeRequest(to=None, drain=(wid,), by=wid, ts=time.time(),
+                                          reason=f"{wid} leaving ({reason})"))
 
     def mark_gone(self, worker_id: str, reason: str) -> None:
         """Record another (dead or departed) worker as ``gone``; emits ``worker.gone``."""
@@ -406,14 +398,6 @@ class Coordinator:
         """Workers not marked gone whose heartbeat expired (``dead_after`` without a beat)."""
         return [w for w, i in self.members().items() if i["state"] != GONE and not i["alive"]]
 
-    def overdue_leavers(self) -> list[str]:
-        """Leaving workers whose leave deadline has passed."""
-        now = time.time()
-        return [
-            w for w, i in self.members().items()
-            if i["state"] == LEAVING and (i.get("leave_deadline") or now + 1) < now
-        ]
-
     # ------------------------------------------------------------------ leader
     def leader(self) -> str | None:
         """The live worker with the lowest active rank, else the lowest live worker id.
@@ -432,28 +416,27 @@ class Coordinator:
         return self.worker_id is not None and self.leader() == self.worker_id
 
     # ------------------------------------------------------------------ generations
-    def publish_generation(self, record: dict[str, Any]) -> bool:
-        """Publish generation ``record["generation"]`` if the current one is the previous.
+    def publish_generation(self, record: GenerationRecord) -> bool:
+        """Publish ``record`` if the current generation is ``record.generation - 1``.
 
         Atomic compare-and-set: among concurrent publishers of the same number exactly one
-        gets ``True``; the others get ``False`` and should :meth:`wait_generation`.
-        Emits ``generation.start`` on success.
+        gets ``True``; the others get ``False`` and should :meth:`wait_generation`.  The
+        stored record gets ``published_by`` / ``published_at``.  Emits ``generation.start``
+        on success.
         """
-        n = record.get("generation")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise UsageError(f"generation record needs an integer 'generation' >= 0, got {n!r}")
-        doc = {**record, "published_by": self.worker_id, "published_at": time.time()}
+        if not isinstance(record, GenerationRecord):
+            raise UsageError(f"publish_generation needs a GenerationRecord, got "
+                             f"{type(record).__name__}")
+        n = record.generation
+        doc = replace(record, published_by=self.worker_id or "operator",
+                      published_at=time.time()).to_json()
         raw = dumps(doc, self.keys.gen, self.max_value_bytes)
         won, _prev = self.client.call(
             "publish generation",
             lambda r: self._gen_cas(keys=[self.keys.gen], args=[n - 1, raw]),
         )
         if int(won):
-            # the fields the monitor shows (docs/monitor.md), not the whole record
-            shown = ("layout", "members", "reason", "from", "to", "world", "assignment",
-                     "leaving", "joining", "kind", "step")
-            self.emit("generation.start", generation=n, gen=n,
-                      **{k: record[k] for k in shown if k in record})
+            self.emit("generation.start", **GenerationStart.of(record).to_json())
         return bool(int(won))
 
     def commit_generation(self, generation: int) -> None:
@@ -468,21 +451,30 @@ class Coordinator:
         raw = self.client.call("read commit", lambda r: r.get(self.keys.committed))
         return -1 if raw is None else int(schema.text(raw))
 
-    def current_generation(self) -> dict[str, Any] | None:
-        """The current generation record, or ``None`` before the first."""
-        return self._read(self.keys.gen)
+    def current_generation(self) -> GenerationRecord | None:
+        """The current generation record, or ``None`` before the first.
 
-    def wait_generation(self, after: int, timeout: float) -> dict[str, Any]:
+        A record this version cannot read raises :class:`RecordError` naming the field.
+        """
+        doc = self._read(self.keys.gen)
+        if doc is None:
+            return None
+        try:
+            return GenerationRecord.from_json(doc)
+        except RecordError as exc:
+            raise RecordError(f"coordinator entry {self.keys.gen}: {exc}") from None
+
+    def wait_generation(self, after: int, timeout: float) -> GenerationRecord:
         """Wait until a generation numbered above ``after`` is published; return it."""
         end = time.monotonic() + timeout
         delay = 0.005
         while True:
             rec = self.current_generation()
-            if rec is not None and int(rec.get("generation", -1)) > after:
+            if rec is not None and rec.generation > after:
                 return rec
             left = end - time.monotonic()
             if left <= 0:
-                cur = None if rec is None else rec.get("generation")
+                cur = None if rec is None else rec.generation
                 raise WaitTimeout(
                     f"run {self.run_id}: no generation after {after} published within "
                     f"{timeout:g} s (current: {cur}, leader: {self.leader()})"
@@ -490,127 +482,16 @@ class Coordinator:
             time.sleep(min(delay, left))
             delay = min(delay * 2, 0.1)
 
-    # ------------------------------------------------------------------ barrier
-    def barrier(
-        self,
-        name: str,
-        participants: Iterable[str],
-        timeout: float,
-        *,
-        me: str | None = None,
-        arrive: bool = True,
-    ) -> float:
-        """Arrive at barrier ``name`` and wait for all ``participants`` (worker ids).
-
-        Returns the seconds waited.  Raises :class:`BarrierTimeout` naming the missing
-        workers after ``timeout``, or earlier as soon as a missing participant is dead
-        (heartbeat expired) or gone — so a crash never costs the full timeout.  Barrier
-        names must be unique per use (e.g. ``f"gen{g}:ready"``).
-        """
-        parts = sorted(set(participants), key=lambda w: (_seq(w), w))
-        me = me if me is not None else self.worker_id
-        key, done = self.keys.barrier(name), self.keys.barrier_done(name)
-        ttl = int(timeout + 3600)
-        if arrive and me is not None:
-            if me not in parts:
-                raise UsageError(f"{me} is not a participant of barrier {name!r}")
-            self.client.call(f"barrier {name}", lambda r: self._arrive(
-                keys=[key, done, self.keys.barriers],
-                args=[me, f"{time.time():.3f}", ttl, len(parts), name]))
-        # Who this waiter watches for death: everyone in small barriers; in large ones
-        # its next three participants (each worker is watched by three others), so the
-        # cost per waiter stays O(1) and a crash is still noticed within one interval.
-        if me in parts and len(parts) > 16:
-            i = parts.index(me)
-            watch = [parts[(i + d) % len(parts)] for d in (1, 2, 3)]
-        else:
-            watch = [w for w in parts if w != me]
-        start = time.monotonic()
-        end = start + timeout
-        interval = min(0.5, self.heartbeat_interval)
-        next_check = start + interval
-        while True:
-            now = time.monotonic()
-            # blocks server-side until the last arriver (or a breaker) writes the stream
-            block = max(1, int(min(end - now, next_check - now, interval) * 1000))
-            resp = self.client.call(
-                f"barrier {name}", lambda r, b=block: r.xread({done: "0"}, count=1, block=b))
-            if resp:
-                fields = {schema.text(k): v for k, v in resp[0][1][0][1].items()}
-                if "broken" not in fields:
-                    return time.monotonic() - start
-                dead = schema.loads(fields["broken"], done, self.max_value_bytes) or []
-                raise self._barrier_error(name, parts, start, [str(d) for d in dead])
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + interval
-                dead = self._dead_among(watch, key)
-                if dead:
-                    raw = dumps(dead, done, self.max_value_bytes)
-                    self.client.call(f"barrier {name}", lambda r, raw=raw: self._break(
-                        keys=[done], args=[raw, ttl]))
-                    continue  # everyone (this waiter too) learns it from the stream
-            if now >= end:
-                raise self._barrier_error(name, parts, start, [], timeout)
-
-    def _barrier_error(
-        self, name: str, parts: list[str], start: float, dead: list[str],
-        timeout: float | None = None,
-    ) -> BarrierTimeout:
-        key = self.keys.barrier(name)
-        arrived = {schema.text(x) for x in
-                   self.client.call(f"barrier {name}", lambda r: r.hkeys(key))}
-        missing = [w for w in parts if w not in arrived]
-        got = f"({len(parts) - len(missing)}/{len(parts)} arrived)"
-        if dead:
-            return BarrierTimeout(
-                f"barrier {name!r} broken after {time.monotonic() - start:.1f} s: "
-                f"{_names(dead)} died or left (heartbeat expired); missing "
-                f"{_names(missing)} {got}", missing, dead)
-        return BarrierTimeout(
-            f"barrier {name!r} timed out after {timeout:g} s: missing {_names(missing)} {got}",
-            missing, [])
-
-    def _dead_among(self, ids: list[str], arrivals: str | None = None) -> list[str]:
-        """Which of ``ids`` (not yet arrived at ``arrivals``) are registered workers that
-        are gone or have no heartbeat."""
-        if not ids:
-            return []
-        key = self.keys.workers
-
-        def _read(r: Any) -> list[Any]:
-            p = r.pipeline(transaction=False)
-            for w in ids:
-                p.hstrlen(key, w)
-                p.exists(self.keys.hb(w))
-                if arrivals:
-                    p.hexists(arrivals, w)
-                else:
-                    p.exists(key)  # placeholder keeps the stride
-            return p.execute()
-
-        res = self.client.call("read heartbeats", _read)
-        dead = []
-        for j, w in enumerate(ids):
-            size, alive, arrived = res[3 * j: 3 * j + 3]
-            if not size or (arrivals and arrived):
-                continue  # unregistered (only the timeout can tell) or already here
-            if not alive:
-                dead.append(w)
-                continue
-            raw = self.client.call(
-                f"read {key}", lambda r, w=w: self._hget(keys=[key], args=[w, self.max_value_bytes])
-            )
-            info = loads_dict(raw, f"{key}[{w}]", self.max_value_bytes)
-            if info is not None and info.get("state") == GONE:
-                dead.append(w)
-        return dead
-
     # ------------------------------------------------------------------ change requests
-    def request_change(self, reason: str, **data: Any) -> None:
-        """Ask for a resize at the next step boundary (any worker or the operator)."""
-        doc = {"reason": reason, "by": self.worker_id or "operator", "ts": time.time(), **data}
-        raw = dumps(doc, self.keys.changes, self.max_value_bytes)
+    def request_change(self, request: ChangeRequest) -> None:
+        """Queue ``request`` for the leader's next step boundary; emits ``change.requested``.
+
+        Any worker or the operator (``etcslurm resize``) may ask; the queue keeps the
+        newest 1000.
+        """
+        if not isinstance(request, ChangeRequest):
+            raise UsageError(f"request_change needs a ChangeRequest, got {type(request).__name__}")
+        raw = dumps(request.to_json(), self.keys.changes, self.max_value_bytes)
 
         def _push(r: Any) -> None:
             p = r.pipeline(transaction=True)
@@ -619,24 +500,29 @@ class Coordinator:
             p.execute()
 
         self.client.call("request change", _push)
-        self.emit("change.requested", **doc)
+        self.emit("change.requested", **ChangeRequested.of(request).to_json())
 
-    def pending_change(self) -> list[dict[str, Any]]:
-        """The change requests not yet taken, oldest first (empty: nothing pending)."""
+    def pending_changes(self) -> list[ChangeRequest]:
+        """The change requests not yet taken, oldest first (empty: nothing pending).
+
+        A malformed entry raises :class:`RecordError` naming it.
+        """
         key = self.keys.changes
-        n = int(self.client.call("read changes", lambda r: r.llen(key)))
-        if not n:
-            return []
         raws = self.client.call("read changes", lambda r: r.lrange(key, 0, 999))
-        return [loads_dict(x, f"{key}[{i}]", self.max_value_bytes) or {}
-                for i, x in enumerate(raws)]
+        out = []
+        for i, raw in enumerate(raws or []):
+            try:
+                out.append(ChangeRequest.from_json(loads(raw, f"{key}[{i}]", self.max_value_bytes)))
+            except RecordError as exc:
+                raise RecordError(f"coordinator entry {key}[{i}]: {exc}") from None
+        return out
 
     def take_changes(self, count: int) -> None:
-        """Drop the ``count`` oldest requests (the leader handled them in a generation)."""
+        """Drop the ``count`` oldest requests (the leader handled them at a boundary)."""
         if count > 0:
             self.client.call("take changes", lambda r: r.ltrim(self.keys.changes, count, -1))
 
-    # ------------------------------------------------------------------ events, status
+    # ------------------------------------------------------------------ events
     def emit(self, type: str, *, at_ts: float | None = None, retry_s: float | None = None,
              **data: Any) -> str:
         """Append an event to the run's ``events`` stream; returns its stream id.
@@ -646,16 +532,17 @@ class Coordinator:
         kept through an outage are sent later with their own time); ``retry_s``: seconds
         to retry an outage (default the client's ``retry_deadline``).
 
-        Fields: ``type``, ``ts`` (unix seconds), ``worker`` (id or ``operator``), ``data``
-        (JSON).  The stream is capped at about ``max_events`` entries.
+        ``type`` and the fields must match an event of :mod:`etcslurm.coord.records`
+        (``EVENT_TYPES``), else :class:`RecordError` names the problem and nothing is
+        written.  Stream fields: ``type``, ``ts`` (unix seconds), ``worker`` (id or
+        ``operator``), ``data`` (JSON).  The stream is capped at about ``max_events``.
         """
-        if not schema.EVENT_TYPE_RE.match(type):
-            raise UsageError(f"invalid event type {type!r} (lowercase dotted, e.g. migration.done)")
+        payload = event_data(type, data).to_json()
         fields = {
             "type": type,
             "ts": f"{time.time() if at_ts is None else at_ts:.6f}",
             "worker": self.worker_id or "operator",
-            "data": dumps(data, f"{self.keys.events} {type}", self.max_value_bytes),
+            "data": dumps(payload, f"{self.keys.events} {type}", self.max_value_bytes),
         }
         flat = [x for kv in fields.items() for x in kv]
         eid = self.client.call(
@@ -702,18 +589,11 @@ class Coordinator:
                 })
         return out
 
-    def set_status(self, summary: dict[str, Any]) -> None:
-        """Replace the run's ``status`` JSON summary (what ``etcslurm status`` shows)."""
-        self._write(self.keys.status, {**summary, "run_id": self.run_id, "updated_at": time.time()})
-
-    def status(self) -> dict[str, Any] | None:
-        return self._read(self.keys.status)
-
     # ------------------------------------------------------------------ end
     def run_keys(self) -> list[str]:
         """All existing keys of this run.
 
-        Derived from what the run tracks (workers, barrier names, store generations), not
+        Derived from what the run tracks (workers, store generations), not
         from ``SCAN``: a per-run ACL user may not list key names (see ``coord/acl.py``).
         The ``ended`` tombstone that :meth:`end_run` leaves (with a TTL) is not listed.
         """
@@ -722,13 +602,10 @@ class Coordinator:
         def _list(r: Any) -> list[str]:
             p = r.pipeline(transaction=False)
             p.hkeys(k.workers)
-            p.smembers(k.barriers)
             p.smembers(k.stores)
-            workers, barriers, stores = p.execute()
+            workers, stores = p.execute()
             names = list(k.fixed())
             names += [k.hb(schema.text(w)) for w in workers]
-            names += [k.barrier(schema.text(b)) for b in barriers]
-            names += [k.barrier_done(schema.text(b)) for b in barriers]
             names += [k.store(schema.text(g)) for g in stores]
             p = r.pipeline(transaction=False)
             for n in names:

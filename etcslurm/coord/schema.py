@@ -17,7 +17,6 @@ from etcslurm.errors import CoordinatorError, UsageError
 PREFIX = "etcslurm"
 #: Run ids are used inside key names: no glob characters, separators or spaces.
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-EVENT_TYPE_RE = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$")
 WORKER_STATES = ("joining", "active", "leaving", "gone")
 
 #: Default bound on one stored JSON value (a generation record with plan inputs for a
@@ -51,32 +50,22 @@ class Keys:
         self.worker_seq = p + "worker_seq"  # counter for worker ids
         self.gen = p + "gen"  # current generation JSON
         self.committed = p + "committed"  # number of the last generation every member entered
-        self.status = p + "status"  # JSON summary for the monitor
         self.events = p + "events"  # stream: type, ts, data (JSON), worker
-        self.changes = p + "changes"  # list of JSON change requests
-        self.barriers = p + "barriers"  # set of barrier names used (for end_run)
+        self.changes = p + "changes"  # list of JSON change requests (coord/records.py)
         self.stores = p + "stores"  # set of store generations used (for end_run)
         self.ended = p + "ended"  # tombstone (with TTL) written by end_run
 
     def hb(self, worker_id: str) -> str:
         return f"{self.prefix}hb:{worker_id}"
 
-    def barrier(self, name: str) -> str:
-        """Hash of arrivals (worker id -> time) at barrier ``name``."""
-        return f"{self.prefix}barrier:{name}"
-
-    def barrier_done(self, name: str) -> str:
-        """Stream that gets one entry when barrier ``name`` is complete."""
-        return f"{self.prefix}barrier:{name}:done"
-
     def store(self, generation: int | str) -> str:
         """The hash holding the torch.distributed store of one generation."""
         return f"{self.prefix}store:{generation}"
 
     def fixed(self) -> list[str]:
-        """The keys whose names do not depend on workers, barriers or generations."""
+        """The keys whose names do not depend on workers or generations."""
         return [self.spec, self.workers, self.worker_seq, self.gen, self.committed,
-                self.status, self.events, self.changes, self.barriers, self.stores]
+                self.events, self.changes, self.stores]
 
 
 def dumps(value: Any, what: str, max_bytes: int = MAX_VALUE_BYTES) -> bytes:

@@ -39,15 +39,6 @@ end
 return all
 """
 
-# KEYS[1] hash; ARGV[1] field; ARGV[2] max bytes.
-HGET_BOUNDED = """
-local n = redis.call('HSTRLEN', KEYS[1], ARGV[1])
-if n > tonumber(ARGV[2]) then
-  return redis.error_reply('ETCSLURM ' .. KEYS[1] .. '[' .. ARGV[1] .. '] is ' .. n .. ' bytes, over the ' .. ARGV[2] .. '-byte limit')
-end
-return redis.call('HGET', KEYS[1], ARGV[1])
-"""
-
 # Generation compare-and-set.  KEYS[1] gen; ARGV[1] expected current number (-1: none);
 # ARGV[2] new record JSON.  Returns {1, previous} when set, {0, current} when another won.
 GEN_CAS = """
@@ -86,32 +77,6 @@ end
 local ok, obj = pcall(cjson.decode, cur)
 if ok and type(obj) == 'table' and type(obj['state']) == 'string' then return obj['state'] end
 return 'malformed'
-"""
-
-# Barrier arrival.  KEYS[1] arrivals hash; KEYS[2] done stream; KEYS[3] barrier-name set.
-# ARGV[1] worker; ARGV[2] time; ARGV[3] ttl s; ARGV[4] participant count; ARGV[5] name.
-# The last arriver appends to the done stream, which every waiter reads with a blocking
-# XREAD (no polling, so 1000 waiters cost nothing while they wait).
-BARRIER_ARRIVE = """
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('SADD', KEYS[3], ARGV[5])
-local n = redis.call('HLEN', KEYS[1])
-if n >= tonumber(ARGV[4]) and redis.call('EXISTS', KEYS[2]) == 0 then
-  redis.call('XADD', KEYS[2], '*', 'done', ARGV[2])
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
-end
-return n
-"""
-
-# Barrier broken.  KEYS[1] done stream; ARGV[1] JSON list of dead workers; ARGV[2] ttl s.
-# Only the first outcome counts: a completed barrier is never marked broken afterwards.
-BARRIER_BREAK = """
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('XADD', KEYS[1], '*', 'broken', ARGV[1])
-  redis.call('EXPIRE', KEYS[1], ARGV[2])
-end
-return 1
 """
 
 # Writes that exiting workers make after end_run must not re-create the run's keys.

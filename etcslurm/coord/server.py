@@ -25,7 +25,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from etcslurm.errors import CoordinatorError, UsageError
+from etcslurm.errors import CoordinatorError, EtcslurmError, UsageError
 from etcslurm.parent_death import die_with_parent
 
 PASSWORD_FILE = "redis.password"
@@ -72,7 +72,7 @@ def _tail(path: Path, lines: int = 15) -> str:
     return " | ".join(text[-lines:]) or "(empty log)"
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` readable by the owner only (created 0600, never wider)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -155,7 +155,7 @@ class BundledRedis:
             raise UsageError(f"run directory {self.run_dir} is not usable: {exc.strerror}") from None
         if not self.password:
             self.password = secrets.token_urlsafe(24)
-            _write_private(self.password_file, self.password + "\n")
+            write_private(self.password_file, self.password + "\n")
         fixed_port = self.port != 0
         for attempt in range(5):
             if not fixed_port:
@@ -177,9 +177,12 @@ class BundledRedis:
         self._write_state()
         return self
 
-    def restart(self) -> None:
-        """Stop and start again on the same port with the same password (fault tests)."""
+    def restart(self, down_s: float = 0.0) -> None:
+        """Stop and start again on the same port with the same password, ``down_s``
+        seconds later (fault tests: an outage of the coordinator)."""
         self._kill()
+        if down_s > 0:
+            time.sleep(down_s)
         self._spawn()
         self._wait_ready()
 
@@ -216,7 +219,7 @@ class BundledRedis:
         ]
         if self.maxmemory_mb:
             lines.append(f"maxmemory {self.maxmemory_mb}mb")
-        _write_private(self.run_dir / CONFIG_FILE, "\n".join(lines) + "\n")
+        write_private(self.run_dir / CONFIG_FILE, "\n".join(lines) + "\n")
 
     def _spawn(self) -> None:
         with contextlib.suppress(OSError):
@@ -286,7 +289,7 @@ class BundledRedis:
             "executable": self.executable,
             "persist": self.persist,
         }
-        _write_private(self.run_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
+        write_private(self.run_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
 
 
 
@@ -302,6 +305,17 @@ def read_state(run_dir: str | Path) -> dict[str, object]:
     if not isinstance(data, dict) or "url" not in data or "pid" not in data:
         raise CoordinatorError(f"malformed {path}")
     return data
+
+
+def running_state(run_dir: str | Path) -> dict[str, object] | None:
+    """The state of the detached server of ``run_dir`` when it is running, else ``None``
+    (no state file, an unreadable one, or its process gone)."""
+    try:
+        state = read_state(run_dir)
+        pid = int(state["pid"])  # type: ignore[arg-type]
+    except (EtcslurmError, TypeError, ValueError):
+        return None
+    return state if _is_our_redis(pid, str(state.get("executable", "redis-server"))) else None
 
 
 def stop_detached(run_dir: str | Path, timeout: float = 5.0) -> bool:

@@ -4,9 +4,14 @@ This mirrors megatron-core 0.16.1 (local GPT layer spec, ``GPTModel.sharded_stat
 keys without a DDP ``module.`` prefix) so that a plan for 10k GPUs needs no GPU:
 
 * model parameters: TP-sharded as megatron's column/row-parallel layers shard them (QKV,
-  fc1 and their biases on axis 0; linear_proj and fc2 weights on axis 1; LayerNorms and
+  fc1 and their biases on axis 0; linear_proj and fc2 weights on axis 1; norms and
   row-parallel biases replicated); transformer layers carry the prepended layer axis, one
-  piece per layer (each is a separate tensor on the rank);
+  piece per layer (each is a separate tensor on the rank).  Grouped-query attention:
+  ``linear_qkv`` has ``(heads + 2*groups) * kv_channels`` rows, split by TP into whole
+  groups.  SwiGLU: megatron's ``ShardedTensorFactory`` checkpoints the local
+  ``linear_fc1`` ``[2*ffn/tp, h]`` as two pieces of a ``[2*ffn, h]`` tensor (gate rows
+  ``tp_rank*ffn/tp``, up rows ``ffn + tp_rank*ffn/tp``; :class:`ParamDef` ``parts``).
+  RMSNorm has no bias, RoPE no position-embedding tensor, ``bias=False`` no linear biases;
 * plain Adam (``optimizer='adam'``): ``optimizer.state.exp_avg.<key>`` and
   ``optimizer.state.exp_avg_sq.<key>`` (plus ``optimizer.state.fp32_param.<key>`` when the
   params are not fp32), replicated over DP;
@@ -55,15 +60,42 @@ def padded_vocab(spec: GPTSpec, tp: int, vocab_pad_tp: int | None = DEFAULT_VOCA
 
 @dataclass(frozen=True)
 class ParamDef:
-    """One parameter tensor of a pipeline stage, as this rank holds it."""
+    """One parameter tensor of a pipeline stage, as this rank holds it.
+
+    ``box``: where the local tensor sits in its global tensor (layer axis included).
+    ``parts``: set when the local tensor is NOT one box of one global tensor -- megatron's
+    ``ShardedTensorFactory`` for a gated (SwiGLU) ``linear_fc1`` checkpoints the local
+    ``[2*ffn/tp, h]`` tensor as its two halves along axis 0, the gate half at rows
+    ``tp_rank*ffn/tp`` and the up half at ``ffn + tp_rank*ffn/tp`` of a ``[2*ffn, h]``
+    global tensor.  ``parts`` lists those boxes in local (flat-memory) order; ``box`` is
+    then the first one.
+    """
 
     key: str
     box: tuple[tuple[int, int], ...]  # in global coordinates (layer axis included)
     shared_embedding: bool = False
+    parts: tuple[tuple[tuple[int, int], ...], ...] | None = None
+
+    @property
+    def boxes(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """The global boxes of the local tensor, in local memory order."""
+        return self.parts if self.parts is not None else (self.box,)
 
     @property
     def numel(self) -> int:
-        return math.prod(hi - lo for lo, hi in self.box)
+        return sum(math.prod(hi - lo for lo, hi in b) for b in self.boxes)
+
+    def range_boxes(self, start: int, stop: int) -> list[tuple[tuple[int, int], ...]]:
+        """Boxes of the flat element range ``[start, stop)`` of the local tensor."""
+        out: list[tuple[tuple[int, int], ...]] = []
+        offset = 0
+        for b in self.boxes:
+            n = math.prod(hi - lo for lo, hi in b)
+            lo, hi = max(start, offset), min(stop, offset + n)
+            if hi > lo:
+                out.extend(flat_range_boxes(b, lo - offset, hi - offset))
+            offset += n
+        return out
 
 
 def _split(extent: int, tp: int, tp_rank: int) -> tuple[int, int]:
@@ -77,16 +109,32 @@ def stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int,
     return list(_stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp))
 
 
+def _gated(key: str, lay: tuple[int, int], rows: int, tp: int, tp_rank: int,
+           *rest: tuple[int, int]) -> ParamDef:
+    """A gated ``linear_fc1`` tensor as megatron's SwiGLU factory splits it."""
+    lo, hi = _split(rows, tp, tp_rank)
+    gate, up = (lay, (lo, hi), *rest), (lay, (rows + lo, rows + hi), *rest)
+    return ParamDef(key, gate, parts=(gate, up))
+
+
 @lru_cache(maxsize=1024)
 def _stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int,
                   vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP) -> tuple[ParamDef, ...]:
     """Parameters of one (tp, pp) rank in ``model.named_parameters()`` order.
 
-    ``vocab_pad_tp``: see :func:`padded_vocab`.
+    ``vocab_pad_tp``: see :func:`padded_vocab`.  Follows megatron-core 0.16.1's local
+    layer spec: per layer ``input_layernorm`` (checkpointed as
+    ``self_attention.linear_qkv.layer_norm_*``), ``linear_proj``, ``linear_qkv`` (rows
+    ``(heads + 2*groups) * kv_channels``, TP-split by whole groups), ``pre_mlp_layernorm``
+    (``mlp.linear_fc1.layer_norm_*``), ``linear_fc1`` (gated: two factory halves),
+    ``linear_fc2``; biases and norm biases only when the spec has them.
     """
     h, f, tp = spec.hidden, spec.ffn, cfg.tp
     vocab = padded_vocab(spec, tp, vocab_pad_tp)
     first, last = pp_rank == 0, pp_rank == cfg.pp - 1
+    bias, norm_bias = spec.bias, spec.norm_has_bias
+    q_rows, qkv_rows = spec.heads * spec.kv_channels, spec.qkv_rows
+
     def full(n: int) -> tuple[int, int]:
         return (0, n)
 
@@ -95,28 +143,42 @@ def _stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int
         out.append(ParamDef("embedding.word_embeddings.weight",
                             (_split(vocab, tp, tp_rank), full(h)), shared_embedding=cfg.pp > 1
                             and spec.tied_embeddings))
-        out.append(ParamDef("embedding.position_embeddings.weight", (full(spec.seq), full(h))))
+        if spec.position == "learned":
+            out.append(ParamDef("embedding.position_embeddings.weight",
+                                (full(spec.seq), full(h))))
     per_stage = spec.layers // cfg.pp
     attn, mlp = "decoder.layers.self_attention.", "decoder.layers.mlp."
     for layer in range(pp_rank * per_stage, (pp_rank + 1) * per_stage):
         lay = (layer, layer + 1)
-        out.extend([
-            ParamDef(attn + "linear_qkv.layer_norm_weight", (lay, full(h))),
-            ParamDef(attn + "linear_qkv.layer_norm_bias", (lay, full(h))),
-            ParamDef(attn + "linear_proj.weight", (lay, full(h), _split(h, tp, tp_rank))),
-            ParamDef(attn + "linear_proj.bias", (lay, full(h))),
-            ParamDef(attn + "linear_qkv.weight", (lay, _split(3 * h, tp, tp_rank), full(h))),
-            ParamDef(attn + "linear_qkv.bias", (lay, _split(3 * h, tp, tp_rank))),
-            ParamDef(mlp + "linear_fc1.layer_norm_weight", (lay, full(h))),
-            ParamDef(mlp + "linear_fc1.layer_norm_bias", (lay, full(h))),
-            ParamDef(mlp + "linear_fc1.weight", (lay, _split(f, tp, tp_rank), full(h))),
-            ParamDef(mlp + "linear_fc1.bias", (lay, _split(f, tp, tp_rank))),
-            ParamDef(mlp + "linear_fc2.weight", (lay, full(h), _split(f, tp, tp_rank))),
-            ParamDef(mlp + "linear_fc2.bias", (lay, full(h))),
-        ])
+        out.append(ParamDef(attn + "linear_qkv.layer_norm_weight", (lay, full(h))))
+        if norm_bias:
+            out.append(ParamDef(attn + "linear_qkv.layer_norm_bias", (lay, full(h))))
+        out.append(ParamDef(attn + "linear_proj.weight",
+                            (lay, full(h), _split(q_rows, tp, tp_rank))))
+        if bias:
+            out.append(ParamDef(attn + "linear_proj.bias", (lay, full(h))))
+        out.append(ParamDef(attn + "linear_qkv.weight",
+                            (lay, _split(qkv_rows, tp, tp_rank), full(h))))
+        if bias:
+            out.append(ParamDef(attn + "linear_qkv.bias", (lay, _split(qkv_rows, tp, tp_rank))))
+        out.append(ParamDef(mlp + "linear_fc1.layer_norm_weight", (lay, full(h))))
+        if norm_bias:
+            out.append(ParamDef(mlp + "linear_fc1.layer_norm_bias", (lay, full(h))))
+        if spec.gated:
+            out.append(_gated(mlp + "linear_fc1.weight", lay, f, tp, tp_rank, full(h)))
+            if bias:
+                out.append(_gated(mlp + "linear_fc1.bias", lay, f, tp, tp_rank))
+        else:
+            out.append(ParamDef(mlp + "linear_fc1.weight", (lay, _split(f, tp, tp_rank), full(h))))
+            if bias:
+                out.append(ParamDef(mlp + "linear_fc1.bias", (lay, _split(f, tp, tp_rank))))
+        out.append(ParamDef(mlp + "linear_fc2.weight", (lay, full(h), _split(f, tp, tp_rank))))
+        if bias:
+            out.append(ParamDef(mlp + "linear_fc2.bias", (lay, full(h))))
     if last:
         out.append(ParamDef("decoder.final_layernorm.weight", (full(h),)))
-        out.append(ParamDef("decoder.final_layernorm.bias", (full(h),)))
+        if norm_bias:
+            out.append(ParamDef("decoder.final_layernorm.bias", (full(h),)))
         if not spec.tied_embeddings:
             out.append(ParamDef("output_layer.weight", (_split(vocab, tp, tp_rank), full(h))))
         elif not first:
@@ -191,6 +253,19 @@ def check_optimizer(optimizer: str) -> None:
         raise UsageError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
 
 
+def check_model(spec: GPTSpec, cfg: ParallelConfig, params_dtype: str | None = None) -> str:
+    """Validate ``cfg`` for ``spec`` (TP must split heads, query groups and ffn); returns
+    the params dtype to use (``params_dtype`` or the spec's)."""
+    cfg.validate(spec)
+    problems = spec.tp_problems(cfg.tp)
+    if problems:
+        raise UsageError(f"layout {cfg} is invalid for {spec}: {'; '.join(problems)}")
+    dtype = params_dtype or spec.dtype
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise UsageError(f"unsupported params dtype {dtype!r}; use float32 or bfloat16")
+    return dtype
+
+
 @lru_cache(maxsize=256)
 def _model_block(
     spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int, optimizer: str,
@@ -198,11 +273,12 @@ def _model_block(
 ) -> tuple[Piece, ...]:
     """What every DP replica of (tp, pp) holds: params (+ plain Adam's state)."""
     params = stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp)
-    out = [Piece(p.key, p.box, params_dtype) for p in params]
+    out = [Piece(p.key, b, params_dtype) for p in params for b in p.boxes]
     if optimizer == "adam":
         kinds = _opt_kinds(optimizer, params_dtype)
         for p in params:
-            out.extend(Piece(f"optimizer.state.{k}.{p.key}", p.box, "float32") for k in kinds)
+            out.extend(Piece(f"optimizer.state.{k}.{p.key}", b, "float32")
+                       for b in p.boxes for k in kinds)
     return tuple(out)
 
 
@@ -225,7 +301,7 @@ def _shard_block(
             s, e = max(lo, starts[k]), min(hi, ends[k])
             if e > s:
                 p = params[order[k]]
-                boxes = flat_range_boxes(p.box, s - starts[k], e - starts[k])
+                boxes = p.range_boxes(s - starts[k], e - starts[k])
                 for kind in kinds:
                     name = f"optimizer.state.{kind}.{p.key}"
                     out.extend(Piece(name, b, "float32") for b in boxes)
@@ -260,11 +336,13 @@ def _class_pieces(
 
 def rank_pieces(
     spec: GPTSpec, cfg: ParallelConfig, rank: int, optimizer: str = "adam",
-    params_dtype: str = "float32", overlap_grad_reduce: bool = False,
+    params_dtype: str | None = None, overlap_grad_reduce: bool = False,
     vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
 ) -> list[Piece]:
-    """Every piece global rank ``rank`` holds under ``cfg``."""
+    """Every piece global rank ``rank`` holds under ``cfg`` (``params_dtype`` None: the
+    spec's ``dtype``)."""
     check_optimizer(optimizer)
+    params_dtype = check_model(spec, cfg, params_dtype)
     c = cfg.coord(rank)
     return list(_class_pieces(spec, cfg, c.tp, c.pp, c.dp if optimizer == "distributed" else None,
                               optimizer, params_dtype, overlap_grad_reduce, vocab_pad_tp))
@@ -294,12 +372,15 @@ class LayoutState:
 
 def expand(
     spec: GPTSpec, cfg: ParallelConfig, optimizer: str = "adam",
-    params_dtype: str = "float32", overlap_grad_reduce: bool = False,
+    params_dtype: str | None = None, overlap_grad_reduce: bool = False,
     vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
 ) -> LayoutState:
-    """The holdings of every rank of ``cfg``, as classes of blocks (see module docstring)."""
+    """The holdings of every rank of ``cfg``, as classes of blocks (see module docstring).
+
+    ``params_dtype`` None: the spec's ``dtype`` (``float32``/``bfloat16``).
+    """
     check_optimizer(optimizer)
-    cfg.validate(spec)
+    params_dtype = check_model(spec, cfg, params_dtype)
     blocks: list[tuple[Piece, ...]] = []
     model_block: dict[tuple[int, int], int] = {}
     for pp in range(cfg.pp):
@@ -319,3 +400,72 @@ def expand(
             class_blocks.append((model_block[(c.tp, c.pp)], len(blocks) - 1))
             rank_class.append(rank)
     return LayoutState(cfg, tuple(blocks), tuple(class_blocks), tuple(rank_class))
+
+
+# --------------------------------------------------------------------------- vocabulary padding
+#: tensors whose axis 0 is the (padded) vocabulary
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+#: how rows no old rank holds are filled: megatron-core's own resharded load
+#: (``dist_checkpointing`` with ``allow_shape_mismatch=True`` on the embedding and output
+#: layer) zeroes the tensor and reads only the rows the checkpoint has
+VOCAB_FILL = "zeros"
+
+
+def model_key(key: str) -> str:
+    """The model tensor a piece key belongs to (``optimizer.state.<kind>.`` stripped)."""
+    if key.startswith("optimizer.state."):
+        return key.split(".", 3)[3]
+    return key
+
+
+def is_vocab_key(key: str) -> bool:
+    """True for the word embedding, the output layer, and their optimizer state."""
+    return model_key(key) in VOCAB_KEYS
+
+
+def vocab_rows(pieces) -> dict[str, int]:
+    """Rows held of every vocabulary tensor: ``{key: 1 + last row}`` over ``pieces``
+    (analytic or live, one rank's or all ranks')."""
+    rows: dict[str, int] = {}
+    for p in pieces:
+        if is_vocab_key(p.key):
+            rows[p.key] = max(rows.get(p.key, 0), p.box[0][1])
+    return rows
+
+
+def vocab_padding(pieces, vocab: int) -> list[Piece]:
+    """The parts of ``pieces`` that are vocabulary padding (rows >= ``vocab``, the true
+    vocabulary size): never looked up by a token; their values only matter through the
+    output layer's softmax."""
+    out = []
+    for p in pieces:
+        (lo, hi), rest = p.box[0], p.box[1:]
+        if is_vocab_key(p.key) and hi > max(lo, vocab):
+            out.append(Piece(p.key, ((max(lo, vocab), hi), *rest), p.dtype))
+    return out
+
+
+def split_vocab_fill(missing, old_rows: dict[str, int] | int) -> tuple[list[Piece], list[Piece]]:
+    """Split slices no surviving rank holds into ``(fill, lost)``.
+
+    ``fill``: the parts in rows no OLD layout had at all -- vocabulary padding that
+    appears because a TP change grew the padded vocabulary (rows ``[old_rows, new_rows)``
+    of a vocabulary tensor).  They are not lost state: the runtime fills them as
+    megatron-core's resharded load does (:data:`VOCAB_FILL`: zeros, for the param, its
+    fp32 main copy and both Adam moments alike).  ``lost``: everything else (real state
+    whose holders are gone).  ``old_rows``: :func:`vocab_rows` of the old holdings, or one
+    row count for every vocabulary key (``padded_vocab(spec, old.tp)``).
+    """
+    fill: list[Piece] = []
+    lost: list[Piece] = []
+    for p in missing:
+        if not is_vocab_key(p.key):
+            lost.append(p)
+            continue
+        rows = old_rows if isinstance(old_rows, int) else old_rows.get(p.key, 0)
+        (lo, hi), rest = p.box[0], p.box[1:]
+        if hi > max(lo, rows):
+            fill.append(Piece(p.key, ((max(lo, rows), hi), *rest), p.dtype))
+        if lo < rows:
+            lost.append(Piece(p.key, ((lo, min(hi, rows)), *rest), p.dtype))
+    return fill, lost

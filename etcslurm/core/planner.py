@@ -17,6 +17,7 @@ same key are disjoint (shards are disjoint, replicas identical).
 from __future__ import annotations
 
 import bisect
+import heapq
 import json
 import time
 from collections import defaultdict
@@ -549,6 +550,35 @@ def plan(inputs: PlanInputs) -> MigrationPlan:
         return hit
 
     send_load: dict[str, int] = defaultdict(int)
+    # least-loaded holder: one lazy heap of (load, device key, device) per holder set and
+    # per (holder set, node).  Loads only grow, so an entry whose load is out of date is
+    # too small: it surfaces first and is refreshed in place (same choice as a linear
+    # ``min`` over the holders by (other node, load, device key), in O(log holders))
+    heaps: dict[tuple[int, str | None], list[tuple[int, tuple[int, int], str]]] = {}
+
+    def _heap(s: int, node: str | None, cands: list[str]) -> list:
+        h = heaps.get((s, node))
+        if h is None:
+            members = cands if node is None else [d for d in cands if nodes[d] == node]
+            h = [(send_load[d], _dev_key(d), d) for d in members]
+            heapq.heapify(h)
+            heaps[(s, node)] = h
+        return h
+
+    def pick(s: int, cands: list[str], node: str, nbytes: int) -> str:
+        h = _heap(s, node, cands)
+        if not h:
+            h = _heap(s, None, cands)
+        while True:
+            load, key, d = h[0]
+            cur = send_load[d]
+            if load == cur:
+                break
+            heapq.heapreplace(h, (cur, key, d))
+        send_load[d] = cur + nbytes
+        heapq.heapreplace(h, (cur + nbytes, key, d))
+        return d
+
     pairs: dict[tuple[str, str], list[Piece]] = defaultdict(list)
     local_out: dict[str, list[Piece]] = {}
     missing_out: dict[str, list[Piece]] = {}
@@ -576,9 +606,9 @@ def plan(inputs: PlanInputs) -> MigrationPlan:
                     continue
                 if len(cands) == 1:
                     src = cands[0]
+                    send_load[src] += frag.nbytes
                 else:
-                    src = min(cands, key=lambda h: (nodes[h] != node, send_load[h], _dev_key(h)))
-                send_load[src] += frag.nbytes
+                    src = pick(old.piece_set[i], cands, node, frag.nbytes)
                 pairs[(src, d)].append(frag)
     need_bytes = sum(new.class_bytes[c] for c in inputs.new_rank_class)
 

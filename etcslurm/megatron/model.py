@@ -2,10 +2,18 @@
 
 Why these settings: migration must be exact to the bit and losses must be comparable
 across layouts, so the model is deterministic (dropout 0), uses megatron-core's local spec
-(no Transformer Engine/Apex needed, runs on CPU), a plain GELU MLP (what
-``core.gpt_state`` expands analytically), ``use_cpu_initialization=True`` (the same
-initial weights for every TP split of one seed), and a vocabulary padded independently of
-TP (:func:`padded_vocab`), so every global tensor has the same shape in every layout.
+(no Transformer Engine/Apex needed, runs on CPU), ``use_cpu_initialization=True`` (the
+same initial weights for every TP split of one seed), and a vocabulary padded
+independently of TP (:func:`padded_vocab`), so every global tensor has the same shape in
+every layout whose TP divides 8.
+
+The architecture is the :class:`GPTSpec`'s, which ``core.gpt_state`` expands
+analytically: GPT-2 style (MHA, GELU, LayerNorm, learned positions, biases) or Llama
+style (``num_query_groups``, ``gated_linear_unit=True`` + SiLU, ``normalization=
+"RMSNorm"``, ``position_embedding_type="rope"``, untied output layer,
+``add_bias_linear=False``).  bf16 (``dtype`` or the spec's ``dtype``): ``params_dtype`` and
+``bf16=True``, the whole module cast to bf16 as Megatron-LM's ``Float16Module`` does (the
+torch norms are created fp32 otherwise), fp32 main params in the optimizer.
 
 The optimizer is megatron's own (``get_megatron_optimizer``, Adam; plain or
 ``use_distributed_optimizer=True``) behind megatron's DDP wrapper; its state is
@@ -34,9 +42,14 @@ OPTIMIZERS = ("adam", "distributed")
 VOCAB_TP_MULTIPLE = 8
 
 
-def padded_vocab(spec: GPTSpec) -> int:
-    """The embedding's row count in every layout: a multiple of 128·8 = 1024."""
-    return spec.padded_vocab(VOCAB_TP_MULTIPLE)
+def padded_vocab(spec: GPTSpec, tp: int | None = None) -> int:
+    """The embedding's row count: a multiple of 128·8 = 1024, the same in every layout
+    whose TP divides 8; under TP ``tp`` padded further to a multiple of 128·tp (as
+    ``core.gpt_state.padded_vocab``), e.g. for TP 3."""
+    rows = spec.padded_vocab(VOCAB_TP_MULTIPLE)
+    if tp is not None:
+        rows = -(-rows // (128 * tp)) * (128 * tp)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -96,23 +109,41 @@ class Trainee:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
 
+#: spec dtype names → torch dtypes
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(spec: GPTSpec, dtype: torch.dtype | str | None = None) -> torch.dtype:
+    """The params dtype: ``dtype`` if given (torch dtype or name), else the spec's."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = {"fp32": "float32", "bf16": "bfloat16"}.get(dtype or "", dtype) or spec.dtype
+    if name not in TORCH_DTYPES:
+        raise UsageError(f"unsupported dtype {name!r}; use float32 or bfloat16")
+    return TORCH_DTYPES[name]
+
+
 def transformer_config(spec: GPTSpec, config: ParallelConfig, dtype: torch.dtype) -> Any:
+    """megatron-core's TransformerConfig for ``spec``: GELU/SwiGLU, LayerNorm/RMSNorm,
+    MHA/GQA, biases as the spec says; deterministic (dropout 0), CPU initialisation."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
         num_layers=spec.layers,
         hidden_size=spec.hidden,
         num_attention_heads=spec.heads,
+        num_query_groups=spec.groups,
         ffn_hidden_size=spec.ffn,
+        normalization=spec.norm,
         tensor_model_parallel_size=config.tp,
         pipeline_model_parallel_size=config.pp,
         use_cpu_initialization=True,
         perform_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        gated_linear_unit=False,
-        activation_func=F.gelu,
-        add_bias_linear=True,
+        gated_linear_unit=spec.gated,
+        activation_func=F.silu if spec.activation == "silu" else F.gelu,
+        add_bias_linear=spec.bias,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -132,18 +163,23 @@ def build_gpt(
     config: ParallelConfig,
     optimizer: str = "adam",
     seed: int = 1234,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str | None = None,
     hyper: TrainHyper | None = None,
 ) -> Trainee:
     """Model chunks (DDP-wrapped), megatron optimizer and LR scheduler for this rank.
 
     ``parallel_state`` must already be initialised for ``config``
     (:func:`etcslurm.megatron.parallel.init_parallel`).  Same ``seed`` → same global
-    weights in every layout.
+    weights in every layout.  ``dtype`` (None: the spec's ``dtype``): the params dtype;
+    with bf16 the whole model is cast to bf16 (norms included, as Megatron-LM's
+    ``Float16Module`` does) and the optimizer keeps fp32 main params.
     """
     if optimizer not in OPTIMIZERS:
         raise UsageError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
-    config.validate(spec)
+    from etcslurm.core.gpt_state import check_model
+
+    dtype = torch_dtype(spec, dtype)
+    check_model(spec, config)
     cpu_shim.install_if_needed()
     hyper = hyper or TrainHyper()
     from megatron.core import parallel_state
@@ -164,14 +200,19 @@ def build_gpt(
     tcfg = transformer_config(spec, config, dtype)
     gpt = GPTModel(
         config=tcfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=padded_vocab(spec),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.norm),
+        vocab_size=padded_vocab(spec, config.tp),
         max_sequence_length=spec.seq,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type="learned_absolute",
+        position_embedding_type="rope" if spec.position == "rope" else "learned_absolute",
+        rotary_base=spec.rope_base,
     )
+    if dtype != torch.float32:
+        # torch norms are created fp32 whatever params_dtype says; Megatron-LM casts the
+        # whole module (Float16Module), so one DDP buffer holds every param
+        gpt = gpt.to(dtype)
     gpt.to(cpu_shim.device())
     distributed = optimizer == "distributed"
     ddp_config = DistributedDataParallelConfig(

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.errors import LayoutError
-from etcslurm.megatron import cpu_shim
 from etcslurm.groups import lifecycle as groups
+from etcslurm.megatron import cpu_shim
 
 log = logging.getLogger(__name__)
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from etcslurm.core.state import Box, Piece, flat_range_boxes, total_bytes
+from etcslurm.errors import MigrationError
 from etcslurm.megatron.model import Trainee
 
 #: Adam state tensors migrated per param (``step`` is a scalar, restored separately)
@@ -46,11 +47,38 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class ParamMeta:
-    """Where one local model parameter sits in its global tensor."""
+    """Where one local model parameter sits in its global tensor(s).
+
+    ``parts``: ``(key, box, offset)`` for every checkpointed piece of the local tensor,
+    ``offset`` being the piece's first element in the tensor's flat (contiguous) storage.
+    An ordinary tensor is one part at offset 0; a SwiGLU ``linear_fc1`` (megatron's
+    ``ShardedTensorFactory``) is two: the gate half and the up half, each a contiguous half
+    of the local rows, at different rows of the global tensor.
+    """
 
     key: str
     box: Box
     param: torch.Tensor
+    parts: tuple[tuple[str, Box, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            object.__setattr__(self, "parts", ((self.key, self.box, 0),))
+
+    def ranges(self, start: int, stop: int) -> list[tuple[str, Box, int]]:
+        """``(key, box, offset)`` of the flat element range ``[start, stop)`` of the local
+        tensor, ``offset`` counted from ``start``."""
+        out: list[tuple[str, Box, int]] = []
+        for key, box, off in self.parts:
+            n = _numel(box)
+            lo, hi = max(start, off), min(stop, off + n)
+            if hi <= lo:
+                continue
+            pos = lo - start
+            for sub in flat_range_boxes(box, lo - off, hi - off):
+                out.append((key, sub, pos))
+                pos += _numel(sub)
+        return out
 
 
 @dataclass
@@ -81,35 +109,109 @@ class LocalState:
         return sorted({p.key for p in self.pieces})
 
 
-def _model_sharded_tensors(trainee: Trainee) -> list[Any]:
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+def _numel(box: Box) -> int:
+    n = 1
+    for lo, hi in box:
+        n *= hi - lo
+    return n
 
-    out = []
-    for chunk in trainee.modules():
-        for value in nested_values(chunk.sharded_state_dict()):
-            if isinstance(value, ShardedTensorFactory):
-                raise NotImplementedError(
-                    f"{value.key}: ShardedTensorFactory (e.g. a gated MLP) is not supported; "
-                    "build the model with a non-gated MLP"
-                )
-            if isinstance(value, ShardedTensor):
-                out.append(value)
-    return out
+
+def _box_of(sh: Any) -> Box:
+    if sh.flattened_range is not None:
+        raise MigrationError(
+            f"cannot describe tensor {sh.key}: flattened ShardedTensor (model tensors are "
+            "expected whole)"
+        )
+    shape = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+    return tuple((int(o), int(o) + int(n)) for o, n in zip(sh.global_offset, shape, strict=True))
+
+
+def _flat_offset(part: torch.Tensor, whole: torch.Tensor, key: str) -> int:
+    """Element offset of ``part`` (a contiguous view) inside contiguous ``whole``."""
+    size = whole.element_size()
+    delta = part.data_ptr() - whole.data_ptr()
+    if (not part.is_contiguous() or not whole.is_contiguous() or part.dtype != whole.dtype
+            or delta % size or delta < 0 or delta // size + part.numel() > whole.numel()):
+        raise MigrationError(
+            f"cannot describe tensor {key}: a ShardedTensorFactory piece is not a contiguous "
+            "slice of its tensor"
+        )
+    return delta // size
+
+
+def _factory_parts(factory: Any) -> list[tuple[str, Box, int]]:
+    """Apply a ``ShardedTensorFactory`` (megatron builds its checkpoint pieces from it) and
+    locate every piece in the factory's tensor."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    built = factory.build_fn(factory.key, factory.data, factory.replica_id,
+                             factory.flattened_range)
+    parts = []
+    for sub in nested_values(built):
+        if not isinstance(sub, ShardedTensor):
+            raise MigrationError(
+                f"cannot describe tensor {factory.key}: its ShardedTensorFactory builds a "
+                f"{type(sub).__name__}"
+            )
+        parts.append((sub.key, _box_of(sub), _flat_offset(sub.data, factory.data, sub.key)))
+    parts.sort(key=lambda p: p[2])
+    covered = 0
+    for _key, box, off in parts:
+        if off != covered:
+            break
+        covered += _numel(box)
+    if covered != factory.data.numel():
+        raise MigrationError(
+            f"cannot describe tensor {factory.key}: its ShardedTensorFactory pieces do not "
+            "tile the tensor"
+        )
+    return parts
 
 
 def param_metas(trainee: Trainee) -> dict[int, ParamMeta]:
-    """``id(param)`` → key and global box of every local model parameter."""
+    """``id(param)`` → keys and global boxes of every local model parameter.
+
+    Reads ``sharded_state_dict()`` of every unwrapped model chunk; ``ShardedTensorFactory``
+    entries (SwiGLU ``linear_fc1``) are applied, never skipped.  Raises
+    :class:`MigrationError` (one line, naming the first such tensor) when a trainable
+    parameter has no checkpoint metadata or a factory cannot be located in its tensor.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
     metas: dict[int, ParamMeta] = {}
-    for sh in _model_sharded_tensors(trainee):
-        if sh.flattened_range is not None:
-            raise NotImplementedError(f"{sh.key}: flattened model tensors are not expected")
-        pre = sh.prepend_axis_num
-        shape = (1,) * pre + tuple(sh.local_shape)
-        box = tuple((int(o), int(o) + int(n)) for o, n in zip(sh.global_offset, shape, strict=True))
-        if id(sh.data) not in metas:
-            metas[id(sh.data)] = ParamMeta(sh.key, box, sh.data)
+    for chunk in trainee.modules():
+        for value in nested_values(chunk.sharded_state_dict()):
+            if isinstance(value, ShardedTensorFactory):
+                data = value.data
+                parts = tuple(_factory_parts(value))
+                meta = ParamMeta(parts[0][0], parts[0][1], data, parts)
+            elif isinstance(value, ShardedTensor):
+                if value.data is None:
+                    continue
+                data = value.data
+                meta = ParamMeta(value.key, _box_of(value), data)
+            else:
+                continue
+            if id(data) not in metas:
+                metas[id(data)] = meta
+        for name, param in chunk.named_parameters():
+            if param.requires_grad and id(param) not in metas:
+                raise MigrationError(
+                    f"cannot describe tensor {name}: it is not in the model's "
+                    "sharded_state_dict()"
+                )
     return metas
+
+
+def check_describable(trainee: Trainee) -> None:
+    """Raise :class:`MigrationError` naming the first tensor etcslurm cannot describe.
+
+    The runtime calls this at session start (before the first step): it reads the model's
+    ``sharded_state_dict()`` and the optimizer's structures exactly as a migration would.
+    """
+    local_state(trainee)
 
 
 def _box_view(flat: torch.Tensor, box: Box, offset: int) -> torch.Tensor:
@@ -138,8 +240,9 @@ def local_state(trainee: Trainee) -> LocalState:
         found[(key, box)] = (piece, view)
 
     for meta in metas.values():
-        data = meta.param.data
-        add(meta.key, meta.box, data.view(tuple(hi - lo for lo, hi in meta.box)))
+        flat = meta.param.data.view(-1)
+        for key, box, off in meta.parts:
+            add(key, box, _box_view(flat, box, off))
     for mopt in trainee.inner_optimizers():
         if trainee.distributed:
             _distributed_pieces(mopt, metas, add)
@@ -164,12 +267,17 @@ def _plain_pieces(mopt: Any, metas: dict[int, ParamMeta], add: Any) -> None:
     for model_p, main_p in pairs:
         meta = metas.get(id(model_p))
         if meta is None:
-            raise KeyError(f"optimizer param {tuple(model_p.shape)} has no sharded model key")
-        shape = tuple(hi - lo for lo, hi in meta.box)
+            raise MigrationError(
+                f"cannot describe tensor of shape {tuple(model_p.shape)}: the optimizer "
+                "updates it but the model's sharded_state_dict() does not list it"
+            )
+        tensors = {n: state[main_p][n] for n in ADAM_STATES}
         if main_p is not model_p:
-            add(f"optimizer.state.fp32_param.{meta.key}", meta.box, main_p.data.view(shape))
-        for name in ADAM_STATES:
-            add(f"optimizer.state.{name}.{meta.key}", meta.box, state[main_p][name].view(shape))
+            tensors = {"fp32_param": main_p.data, **tensors}
+        for name, tensor in tensors.items():
+            flat = tensor.view(-1)
+            for key, box, off in meta.parts:
+                add(f"optimizer.state.{name}.{key}", box, _box_view(flat, box, off))
 
 
 def _distributed_pieces(mopt: Any, metas: dict[int, ParamMeta], add: Any) -> None:
@@ -178,7 +286,10 @@ def _distributed_pieces(mopt: Any, metas: dict[int, ParamMeta], add: Any) -> Non
     for model_p, (gi, go) in mopt.model_param_group_index_map.items():
         meta = metas.get(id(model_p))
         if meta is None:
-            raise KeyError(f"optimizer param {tuple(model_p.shape)} has no sharded model key")
+            raise MigrationError(
+                f"cannot describe tensor of shape {tuple(model_p.shape)}: the optimizer "
+                "updates it but the model's sharded_state_dict() does not list it"
+            )
         rng = mopt._get_model_param_range_map(model_p)["param"]
         start, end = int(rng.start), int(rng.end)
         if start == end:
@@ -187,16 +298,9 @@ def _distributed_pieces(mopt: Any, metas: dict[int, ParamMeta], add: Any) -> Non
         tensors: dict[str, torch.Tensor] = {n: state[main_p][n] for n in ADAM_STATES}
         if main_p.dtype != model_p.dtype:
             tensors["fp32_param"] = main_p.data
-        offset = 0
-        for box in flat_range_boxes(meta.box, start, end):
+        for key, box, offset in meta.ranges(start, end):
             for name, flat in tensors.items():
-                add(
-                    f"optimizer.state.{name}.{meta.key}", box, _box_view(flat.view(-1), box, offset)
-                )
-            n = 1
-            for lo, hi in box:
-                n *= hi - lo
-            offset += n
+                add(f"optimizer.state.{name}.{key}", box, _box_view(flat.view(-1), box, offset))
 
 
 def gather_global(trainee: Trainee, group: Any = None) -> dict[str, torch.Tensor]:

@@ -18,7 +18,8 @@ from typing import TextIO
 from rich.console import Console
 from rich.live import Live
 
-from etcslurm.monitor.model import Event, RunModel, fmt_bytes, fmt_rate
+from etcslurm.coord.records import Event, Step
+from etcslurm.monitor.model import Refused, RunModel, fmt_bytes, fmt_rate
 from etcslurm.monitor.render import build, render_run
 from etcslurm.monitor.source import RunSource
 
@@ -30,29 +31,27 @@ MIN_REDRAW = 0.1
 STOP = threading.Event()
 
 
-def plain_line(event: Event, model: RunModel) -> str | None:
+def plain_line(event: Event | Refused, model: RunModel) -> str | None:
     """Fold ``event`` into ``model``; the line a non-terminal reader should see, if any.
 
     Every event with a human log line prints it; ``step`` prints its numbers; of the many
     ``migration.progress`` events only a rank's last one (all bytes through) prints.
     """
     line = model.apply(event)
-    d = event.data
     if line is not None:
         text = line
-    elif event.type == "step":
-        loss = d.get("loss")
-        tps = d.get("tokens_per_s")
-        text = f"step {d.get('step', '?')}" + (f" gen {d['gen']}" if "gen" in d else "")
-        if isinstance(loss, int | float):
-            text += f" loss {loss:.4f}"
-        if isinstance(tps, int | float):
-            text += f" {fmt_rate(tps)} tok/s"
+    elif isinstance(event, Refused):
+        return None
+    elif isinstance(event.data, Step):
+        d = event.data
+        text = f"step {d.step} gen {d.gen} loss {d.loss:.4f}"
+        if d.tokens_per_s is not None:
+            text += f" {fmt_rate(d.tokens_per_s)} tok/s"
     elif event.type == "migration.progress" and model.finished_rank is not None:
         r = model.finished_rank
         who = f"rank {r.rank} ({r.worker})" if r.rank is not None else r.worker
         text = (
-            f"gen {d.get('gen', '?')}: {who} migrated, "
+            f"gen {getattr(event.data, 'gen', '?')}: {who} migrated, "
             f"{fmt_bytes(r.sent)} sent, {fmt_bytes(r.recv)} received"
         )
     else:

@@ -1,9 +1,10 @@
 """The monitor's view model: fold the coordinator's event stream and keys into a RunView.
 
 Pure: no Redis, no terminal, no clock of its own (``now`` is passed in), so the same fold
-drives the live view, ``etcslurm status --json`` and the tests.  Every field of an event
-payload is optional and unknown event types become a generic log line: an older or newer
-runtime must never crash the monitor.  The payloads are specified in ``docs/monitor.md``.
+drives the live view, ``etcslurm status --json`` and the tests.  It reads only the typed
+records of :mod:`etcslurm.coord.records` (events parsed by ``parse_event``, the
+:class:`GenerationRecord` of the ``gen`` key); a stream entry that does not parse arrives
+as a :class:`Refused` and becomes one log line: a bad entry must never crash the monitor.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from etcslurm.coord import records as rec
+from etcslurm.coord.records import Assignment, Event, GenerationRecord
+
 #: Events kept in the log (the live view shows the newest that fit).
 LOG_LINES = 200
 #: Losses kept for the trend sparkline.
@@ -24,13 +28,13 @@ STATES = ("active", "joining", "leaving", "gone")
 
 
 @dataclass(frozen=True)
-class Event:
-    """One entry of ``etcslurm:{run}:events``: stream id, ``type``, ``ts``, decoded ``data``."""
+class Refused:
+    """A stream entry that :func:`~etcslurm.coord.records.parse_event` refused."""
 
     id: str
-    type: str
     ts: float
-    data: dict[str, Any]
+    type: str
+    message: str
 
 
 @dataclass
@@ -168,23 +172,6 @@ def signal_name(sig: Any) -> str:
     return str(sig).upper().removeprefix("SIG") if sig else "?"
 
 
-def layout_text(value: Any) -> str | None:
-    """``tp2pp2dp4`` from that text or from ``{"tp": 2, "pp": 2, "dp": 4}``."""
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        try:
-            return f"tp{int(value['tp'])}pp{int(value['pp'])}dp{int(value['dp'])}"
-        except (KeyError, TypeError, ValueError):
-            return None
-    return str(value)
-
-
-def _layout_world(layout: str | None) -> int | None:
-    m = re.fullmatch(r"tp(\d+)pp(\d+)dp(\d+)", layout or "")
-    return int(m[1]) * int(m[2]) * int(m[3]) if m else None
-
-
 def rank_coord(rank: int, layout: str | None) -> tuple[int, int, int] | None:
     """(tp, pp, dp) of ``rank`` in megatron-core's order ``rank = tp + TP*(dp + DP*pp)``."""
     m = re.fullmatch(r"tp(\d+)pp(\d+)dp(\d+)", layout or "")
@@ -194,42 +181,6 @@ def rank_coord(rank: int, layout: str | None) -> tuple[int, int, int] | None:
     if not 0 <= rank < tp * pp * dp:
         return None
     return rank % tp, rank // (tp * dp), (rank // tp) % dp
-
-
-def _assignment(d: dict[str, Any], layout: str | None) -> list[dict[str, Any]] | None:
-    """``[{rank, worker, tp, pp, dp, node?}]`` from ``assignment`` or, failing that, from
-    ``members`` (worker ids in rank order, or ``{worker: rank}``) or ``ranks``
-    (``{worker: rank}``) plus the layout."""
-    if isinstance(d.get("assignment"), list):
-        out = []
-        for item in d["assignment"]:
-            if not isinstance(item, dict):
-                continue
-            item = dict(item)
-            rank = _int(item.get("rank"))
-            if rank is not None and item.get("tp") is None and (c := rank_coord(rank, layout)):
-                item["tp"], item["pp"], item["dp"] = c
-            out.append(item)
-        return out
-    ranks: dict[str, int] = {}
-    for name in ("ranks", "members"):
-        value = d.get(name)
-        if isinstance(value, dict):
-            ranks = {str(w): r for w, r in value.items() if _int(r) is not None}
-        elif isinstance(value, list) and value and all(isinstance(w, str) for w in value):
-            ranks = {w: i for i, w in enumerate(value)}
-        if ranks:
-            break
-    if not ranks:
-        return None
-    out = []
-    for wid, rank in ranks.items():
-        c = rank_coord(int(rank), layout)
-        item: dict[str, Any] = {"rank": int(rank), "worker": wid}
-        if c:
-            item["tp"], item["pp"], item["dp"] = c
-        out.append(item)
-    return out
 
 
 def compact_ids(ids: list[str]) -> str:
@@ -246,30 +197,11 @@ def natural_key(text: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
 
 
-def _int(value: Any, default: int | None = None) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
-
-
 def _float(value: Any, default: float | None = None) -> float | None:
     try:
         return float(value)
     except (TypeError, ValueError):
         return default
-
-
-def _dict(value: Any) -> dict[str, Any]:
-    if isinstance(value, dict):
-        return value
-    if isinstance(value, str | bytes):
-        try:
-            decoded = json.loads(value)
-        except ValueError:
-            return {}
-        return decoded if isinstance(decoded, dict) else {}
-    return {}
 
 
 # ---------------------------------------------------------------- the fold
@@ -308,7 +240,7 @@ class _Migration:
     to_layout: str | None
     start_ts: float | None
     ranks: dict[str, _Rank] = field(default_factory=dict)
-    done: dict[str, Any] | None = None
+    done: rec.MigrationDone | None = None
 
 
 class RunModel:
@@ -324,7 +256,7 @@ class RunModel:
         self.layout: str | None = None
         self.layout_by_gen: dict[int, str] = {}  # the last two generations' layouts
         self.world: int | None = None
-        self.assignment: dict[str, dict[str, Any]] = {}  # worker -> {rank, tp, pp, dp, node}
+        self.assignment: dict[str, Assignment] = {}  # worker -> its rank in the generation
         self.step: int | None = None
         self.tokens_per_s: float | None = None
         self.losses: deque[float] = deque(maxlen=LOSS_HISTORY)
@@ -335,12 +267,11 @@ class RunModel:
         self.last_event_ts: float | None = None
         self.last_id: str = "0"
         self.finished_rank: _Rank | None = None  # set by the event that completed a rank
-        self.phase_ts: float | None = None  # when an event last changed the phase
         self.ended = False
 
     # ---------------------------------------------------------------- events
 
-    def apply(self, event: Event) -> str | None:
+    def apply(self, event: Event | Refused) -> str | None:
         """Fold one event; returns its own human line (``None`` for silent events).
 
         In the log, consecutive lines that differ only in the worker merge
@@ -349,11 +280,10 @@ class RunModel:
         self.last_id = event.id or self.last_id
         self.last_event_ts = event.ts
         self.finished_rank = None
+        if isinstance(event, Refused):
+            return self._log(event.ts, event.type, f"refused event: {event.message}", None)
         handler = getattr(self, "_on_" + event.type.replace(".", "_"), None)
-        phase = self.phase
-        out = handler(event.ts, event.data) if handler else self._generic(event)
-        if self.phase != phase:
-            self.phase_ts = event.ts
+        out = handler(event) if handler else self._generic(event)
         if not out:
             return None
         template, who = out if isinstance(out, tuple) else (out, None)
@@ -378,53 +308,51 @@ class RunModel:
         return text
 
     def _generic(self, event: Event) -> str:
-        body = json.dumps(event.data, separators=(",", ":"), sort_keys=True, default=str)
+        body = json.dumps(event.data.to_json(), separators=(",", ":"), sort_keys=True)
         return f"{event.type}: {body[:120]}"
 
-    def _worker(self, data: dict[str, Any]) -> _Worker | None:
-        wid = data.get("worker")
-        if wid is None:
+    def _worker(self, wid: str | None, node: str | None = None) -> _Worker | None:
+        if not wid or wid == "operator":
             return None
-        wid = str(wid)
         w = self.workers.get(wid)
         if w is None:
             w = self.workers[wid] = _Worker(wid)
-        node = data.get("node") or data.get("host")
         if node:
-            w.node = str(node)
+            w.node = node
         return w
 
-    def _on_worker_registered(self, ts: float, d: dict[str, Any]) -> str | None:
-        w = self._worker(d)
+    def _on_worker_registered(self, ev: Event) -> Any:
+        d: rec.WorkerRegistered = ev.data  # type: ignore[assignment]
+        w = self._worker(ev.worker, d.node or d.host)
         if w is None:
             return None
-        # the coordinator registers every worker as joining; it turns active with a rank
-        w.state = "joining" if d.get("joining") else str(d.get("state") or "joining")
+        w.state = "joining"  # the coordinator registers every worker as joining
         w.leave_by = None
         return "{who} registered on " + w.node, w.worker
 
-
-    def _on_worker_signal(self, ts: float, d: dict[str, Any]) -> str | None:
-        w = self._worker(d)
-        budget = _float(d.get("budget_s"))
+    def _on_worker_signal(self, ev: Event) -> Any:
+        d: rec.WorkerSignal = ev.data  # type: ignore[assignment]
+        w = self._worker(d.worker, d.node)
+        budget = d.budget_s
         if w is not None:
             w.state = "leaving"
             w.signalled = True
-            w.leave_by = ts + budget if budget is not None else None
-        who = (w.node if w and w.node != "?" else None) or d.get("node") or d.get("worker") or "?"
-        sig = signal_name(d.get("signal"))
+            w.leave_by = ev.ts + budget if budget is not None else None
+        who = (w.node if w and w.node != "?" else None) or d.node or d.worker or "?"
+        sig = signal_name(d.signal)
         tail = f", {budget:.0f} s budget" if budget is not None else ""
         return f"{who} preempted: {sig}{tail}"
 
-    def _on_worker_state(self, ts: float, d: dict[str, Any]) -> str | None:
-        w = self._worker(d)
+    def _on_worker_state(self, ev: Event) -> Any:
+        d: rec.WorkerState = ev.data  # type: ignore[assignment]
+        w = self._worker(ev.worker)  # emitted by the worker it is about
         if w is None:
             return None
-        state = str(d.get("state") or w.state)
-        deadline = _float(d.get("leave_by", d.get("leave_deadline")))
+        state = d.state
+        deadline = d.leave_deadline
         # the event says what it changed; our state may already be newer (keys read
         # between the coordinator's HSET and its XADD)
-        changed = d["previous"] != state if "previous" in d else state != w.state
+        changed = d.previous != state if d.previous is not None else state != w.state
         w.state = state
         if deadline is not None:
             w.leave_by = deadline
@@ -434,41 +362,41 @@ class RunModel:
             return None  # every rank turns active each generation: the gen line says it
         if state == "leaving" and w.signalled:
             return None  # "n3 preempted: USR2, 88 s budget" said it
-        left = f" ({max(0.0, deadline - ts):.0f} s left)" if deadline and state == "leaving" else ""
+        left = f" ({max(0.0, deadline - ev.ts):.0f} s left)" if deadline and state == "leaving" else ""
         return "{who} on " + f"{w.node}: {state}{left}", w.worker
 
-    def _on_worker_gone(self, ts: float, d: dict[str, Any]) -> str | None:
-        w = self._worker(d)
+    def _on_worker_gone(self, ev: Event) -> Any:
+        d: rec.WorkerGone = ev.data  # type: ignore[assignment]
+        w = self._worker(d.worker)
         if w is None:
             return None
         w.state = "gone"
         w.leave_by = None
-        reason = d.get("reason")
-        return "{who} on " + f"{w.node} gone" + (f" ({reason})" if reason else ""), w.worker
+        return "{who} on " + f"{w.node} gone" + (f" ({d.reason})" if d.reason else ""), w.worker
 
-    def _on_generation_start(self, ts: float, d: dict[str, Any]) -> str | None:
-        gen = _int(d.get("gen", d.get("generation")))
-        if gen is None or d.get("kind") == "end":  # the run's closing record: no new layout
+    def _on_generation_start(self, ev: Event) -> Any:
+        d: rec.GenerationStart = ev.data  # type: ignore[assignment]
+        gen = d.generation
+        if d.kind == "end":  # the run's closing record: no new layout
             return None
         # not self.layout: a read of the gen key may already have brought the new one
-        prev = layout_text(d.get("from")) or self.layout_by_gen.get(gen - 1)
-        new = layout_text(d.get("to", d.get("layout")))
-        self._set_generation(gen, new, _int(d.get("world")), _assignment(d, new))
-        for wid in d.get("joining") or []:
-            w = self._worker({"worker": wid})
+        prev = d.from_layout or self.layout_by_gen.get(gen - 1)
+        new = d.to_layout
+        self._set_generation(gen, new, d.world, d.assignment)
+        for wid in d.joining:
+            w = self._worker(wid)
             if w and w.state != "gone":
                 w.state = "joining"
         if prev:  # the first generation has nothing to migrate
-            self.migrations[gen] = _Migration(gen, prev, new, ts)
+            self.migrations[gen] = _Migration(gen, prev, new, ev.ts)
             self.current_migration = gen
             for old in [g for g in self.migrations if g < gen - 1]:
                 del self.migrations[old]  # a long run must not grow without bound
             self.phase = "migrating"
         elif self.phase == "waiting":
             self.phase = "starting"
-        n_leave = len(d.get("leaving") or []) or sum(
-            1 for w in self.workers.values() if w.state == "leaving")
-        n_join = len(d.get("joining") or [])
+        n_leave = len(d.leaving) or sum(1 for w in self.workers.values() if w.state == "leaving")
+        n_join = len(d.joining)
         arrow = f"{prev} → {new}" if prev else f"start in {new}"
         extras = []
         if n_leave:
@@ -480,24 +408,19 @@ class RunModel:
         return f"gen {gen}: {arrow}" + (f" ({detail})" if detail else "")
 
     def _set_generation(
-        self, gen: int, layout: str | None, world: int | None, assignment: Any
+        self, gen: int, layout: str, world: int, assignment: tuple[Assignment, ...]
     ) -> None:
         self.gen = gen
-        if layout:
-            self.layout = layout
-            self.layout_by_gen[gen] = layout
-            for old in [g for g in self.layout_by_gen if g < gen - 1]:
-                del self.layout_by_gen[old]
-        self.world = world or _layout_world(self.layout) or self.world
-        if isinstance(assignment, list):
-            self.assignment = {}
-            for item in assignment:
-                if not isinstance(item, dict) or item.get("worker") is None:
-                    continue
-                wid = str(item["worker"])
-                self.assignment[wid] = item
-                # joiners stay "joining" until they say active (or the migration is done)
-                self._worker({"worker": wid, "node": item.get("node")})
+        self.layout = layout
+        self.layout_by_gen[gen] = layout
+        for old in [g for g in self.layout_by_gen if g < gen - 1]:
+            del self.layout_by_gen[old]
+        self.world = world
+        self.assignment = {}
+        for item in assignment:
+            self.assignment[item.worker] = item
+            # joiners stay "joining" until they say active (or the migration is done)
+            self._worker(item.worker, item.node if item.node != "?" else None)
 
     def _migration(self, gen: int | None) -> _Migration | None:
         if gen is None:
@@ -509,102 +432,101 @@ class RunModel:
             self.current_migration = max(gen, self.current_migration or gen)
         return self.migrations[gen]
 
-    def _on_migration_progress(self, ts: float, d: dict[str, Any]) -> str | None:
-        mig = self._migration(_int(d.get("gen")))
+    def _on_migration_rebuild(self, ev: Event) -> Any:
+        return None  # the progress bars say it
+
+    def _on_migration_progress(self, ev: Event) -> Any:
+        d: rec.MigrationProgress = ev.data  # type: ignore[assignment]
+        mig = self._migration(d.gen)
         if mig is None:
             return None
-        wid = str(d.get("worker", d.get("rank", "?")))
-        r = mig.ranks.get(wid)
+        r = mig.ranks.get(d.worker)
         if r is None:
-            r = mig.ranks[wid] = _Rank(_int(d.get("rank")), wid, first_ts=ts)
+            r = mig.ranks[d.worker] = _Rank(d.rank, d.worker, first_ts=ev.ts)
         was_done = r.finished
-        r.sent = max(r.sent, _int(d.get("sent"), 0) or 0)
-        r.recv = max(r.recv, _int(d.get("recv"), 0) or 0)
-        r.total_send = _int(d.get("total_send"), r.total_send) or 0
-        r.total_recv = _int(d.get("total_recv"), r.total_recv) or 0
-        r.last_ts = ts
+        r.sent = max(r.sent, d.sent)
+        r.recv = max(r.recv, d.recv)
+        r.total_send = d.total_send
+        r.total_recv = d.total_recv
+        r.last_ts = ev.ts
         if r.finished and not was_done:
             self.finished_rank = r  # plain mode prints one line per rank that completes
         return None
 
-    def _on_migration_done(self, ts: float, d: dict[str, Any]) -> str | None:
-        mig = self._migration(_int(d.get("gen")))
+    def _on_migration_done(self, ev: Event) -> Any:
+        d: rec.MigrationDone = ev.data  # type: ignore[assignment]
+        mig = self._migration(d.gen)
         if mig is None:
             return None
         mig.done = d
-        mig.from_layout = mig.from_layout or layout_text(d.get("from"))
-        mig.to_layout = mig.to_layout or layout_text(d.get("to"))
+        mig.from_layout = mig.from_layout or d.from_layout
+        mig.to_layout = mig.to_layout or d.to_layout
         if self.phase == "migrating":
             self.phase = "training"
         for w in self.workers.values():
             if w.state == "joining" and w.worker in self.assignment:
                 w.state = "active"
-        moved = _int(d.get("moved_bytes"))
-        secs = _float(d.get("seconds"))
         arrow = f"{mig.from_layout} → {mig.to_layout}" if mig.from_layout else f"{mig.to_layout}"
-        parts = [f"gen {mig.gen}: {arrow}"]
-        if moved is not None:
-            parts.append(f"{fmt_bytes(moved)} in {fmt_seconds(secs)}")
-        elif secs is not None:
-            parts.append(f"done in {fmt_seconds(secs)}")
-        ckpt = _int(d.get("checkpoint_bytes"))
-        if ckpt:
-            parts.append(f"{fmt_bytes(ckpt)} from checkpoint")
+        parts = [f"gen {mig.gen}: {arrow}", f"{fmt_bytes(d.moved_bytes)} in {fmt_seconds(d.seconds)}"]
+        if d.checkpoint_bytes:
+            parts.append(f"{fmt_bytes(d.checkpoint_bytes)} from checkpoint")
         return ", ".join(parts)
 
-    def _on_step(self, ts: float, d: dict[str, Any]) -> str | None:
-        self.step = _int(d.get("step"), self.step)
-        tps = _float(d.get("tokens_per_s"))
-        if tps is not None:
-            self.tokens_per_s = tps
-        loss = _float(d.get("loss"))
-        if loss is not None:
-            self.losses.append(loss)
-        gen = _int(d.get("gen"))
-        if gen is not None and (self.gen is None or gen > self.gen):
-            self.gen = gen
-        if self.phase in ("waiting", "migrating"):
+    def _on_step(self, ev: Event) -> Any:
+        d: rec.Step = ev.data  # type: ignore[assignment]
+        self.step = d.step
+        if d.tokens_per_s is not None:
+            self.tokens_per_s = d.tokens_per_s
+        self.losses.append(d.loss)
+        if self.gen is None or d.gen > self.gen:
+            self.gen = d.gen
+        if self.phase in ("waiting", "migrating", "starting", "running"):
             self.phase = "training"
         return None
 
-    def _on_change_requested(self, ts: float, d: dict[str, Any]) -> str | None:
-        wid = d.get("worker")
-        w = self.workers.get(str(wid)) if wid is not None else None
-        if d.get("kind") == "leave" and w is not None and w.state == "leaving":
-            return None  # the signal line already said it
-        return f"change requested: {d.get('reason') or d.get('kind') or '?'}"
+    def _on_change_requested(self, ev: Event) -> Any:
+        d: rec.ChangeRequested = ev.data  # type: ignore[assignment]
+        w = self.workers.get(d.by)
+        if d.drain == (d.by,) and d.to is None and w is not None and w.state == "leaving":
+            return None  # a worker leaving on a signal: the signal line already said it
+        what = [f"layout {d.to}"] if d.to else []
+        if d.drain:
+            what.append(f"drain {compact_ids(list(d.drain))}")
+        tail = f" ({d.reason})" if d.reason else ""
+        return f"change requested by {d.by}: {', '.join(what)}{tail}"
 
-    def _on_run_end(self, ts: float, d: dict[str, Any]) -> str | None:
+    def _on_run_end(self, ev: Event) -> Any:
+        d: rec.RunEnd = ev.data  # type: ignore[assignment]
         self.phase = "ended"
         self.ended = True
-        reason = d.get("reason")
-        step = _int(d.get("step"))
-        if step is not None:
-            self.step = step
-        return "run ended" + (f": {reason}" if reason else "")
+        if d.step is not None:
+            self.step = d.step
+        return "run ended" + (f": {d.reason}" if d.reason else "")
 
-    def _on_error(self, ts: float, d: dict[str, Any]) -> str | None:
-        who = d.get("worker")
-        msg = d.get("message") or d.get("error") or "?"
-        return "error" + (f" on {who}" if who else "") + f": {msg}"
+    def _on_error(self, ev: Event) -> Any:
+        d: rec.Error = ev.data  # type: ignore[assignment]
+        who = d.worker or ev.subject()
+        return "error" + (f" on {who}" if who else "") + f": {d.message}"
+
+    def _on_job_requeued(self, ev: Event) -> Any:
+        d: rec.JobRequeued = ev.data  # type: ignore[assignment]
+        return f"job {d.job} requeued by {d.worker}"
 
     # ---------------------------------------------------------------- keys
 
     def set_keys(
         self,
-        workers: dict[str, Any] | None = None,
-        gen: Any = None,
-        status: Any = None,
+        workers: dict[str, dict[str, Any]] | None = None,
+        gen: GenerationRecord | None = None,
     ) -> None:
-        """Merge the ``workers`` hash, ``gen`` and ``status`` keys (the ground truth).
+        """Merge the ``workers`` hash (``Coordinator.members()``) and the ``gen`` record
+        (the ground truth).
 
         Events stay the fast path; the keys repair what a trimmed stream or a late start
-        missed.  Values may be JSON text or already-decoded dicts.
+        missed.
         """
-        for wid, raw in (workers or {}).items():
-            wid = wid.decode() if isinstance(wid, bytes) else str(wid)
-            info = _dict(raw)
-            w = self._worker({"worker": wid, "node": info.get("node") or info.get("host")})
+        for wid, info in (workers or {}).items():
+            w = self._worker(str(wid), info.get("node") or info.get("host"))
             if w is None:
                 continue
             state = info.get("state")
@@ -612,35 +534,15 @@ class RunModel:
                 w.state = str(state)
             if info.get("alive") is False and w.state != "gone":
                 w.state = "gone"  # heartbeat expired: dead, whether or not marked yet
-            deadline = info.get("leave_by", info.get("leave_deadline"))
+            deadline = info.get("leave_deadline")
             if deadline is not None:
                 w.leave_by = _float(deadline)
-        g = _dict(gen)
-        gnum = _int(g.get("gen", g.get("generation")))
-        if gnum is not None and (self.gen is None or gnum >= self.gen):
-            layout = layout_text(g.get("to", g.get("layout", g.get("config"))))
-            prev = layout_text(g.get("from"))
-            if prev and gnum - 1 not in self.layout_by_gen:
-                self.layout_by_gen[gnum - 1] = prev
-            self._set_generation(gnum, layout, _int(g.get("world")), _assignment(g, layout))
+        if gen is not None and gen.kind != "end" and (self.gen is None or gen.generation >= self.gen):
+            if gen.from_layout and gen.generation - 1 not in self.layout_by_gen:
+                self.layout_by_gen[gen.generation - 1] = gen.from_layout
+            self._set_generation(gen.generation, gen.to_layout, gen.world, gen.assignment)
         if self.phase == "waiting" and self.gen is not None:
             self.phase = "running"
-        s = _dict(status)
-        if s:
-            step = _int(s.get("step"))
-            if step is not None and (self.step is None or step >= self.step):
-                self.step = step
-            phase = s.get("phase") or s.get("state")
-            updated = _float(s.get("updated_at"))
-            # the stream is fresher than a status written before the last phase change
-            fresher = self.phase_ts is None or (updated is not None and updated > self.phase_ts)
-            if isinstance(phase, str) and phase and not self.ended and fresher:
-                self.phase = phase
-            if phase == "ended":
-                self.ended = True
-            tps = _float(s.get("tokens_per_s"))
-            if tps is not None and self.tokens_per_s is None:
-                self.tokens_per_s = tps
 
     # ---------------------------------------------------------------- snapshot
 
@@ -662,21 +564,21 @@ class RunModel:
         """An immutable snapshot at time ``now`` (seconds left and ETAs depend on it)."""
         nodes: dict[str, list[DeviceView]] = {}
         for w in self.workers.values():
-            a = self.assignment.get(w.worker, {})
-            node = w.node if w.node != "?" else str(a.get("node") or "?")
+            a = self.assignment.get(w.worker)
+            node = w.node if w.node != "?" or a is None else a.node
             left = None
             if w.state == "leaving" and w.leave_by is not None:
                 left = max(0.0, w.leave_by - now)
-            in_gen = bool(a) and w.state != "gone"
+            in_gen = a is not None and w.state != "gone"
             nodes.setdefault(node, []).append(
                 DeviceView(
                     worker=w.worker,
                     node=node,
                     state=w.state if w.state in STATES else w.state or "active",
-                    rank=_int(a.get("rank")) if in_gen else None,
-                    tp=_int(a.get("tp")) if in_gen else None,
-                    pp=_int(a.get("pp")) if in_gen else None,
-                    dp=_int(a.get("dp")) if in_gen else None,
+                    rank=a.rank if a is not None and in_gen else None,
+                    tp=a.tp if a is not None and in_gen else None,
+                    pp=a.pp if a is not None and in_gen else None,
+                    dp=a.dp if a is not None and in_gen else None,
                     seconds_left=left,
                 )
             )
@@ -732,24 +634,24 @@ class RunModel:
                     frac, gbps, eta,
                 )
             )
-        d = m.done or {}
+        d = m.done
         return MigrationView(
             gen=m.gen,
             from_layout=m.from_layout,
             to_layout=m.to_layout,
             done=done,
-            seconds=_float(d.get("seconds")) if done else None,
+            seconds=d.seconds if d else None,
             bytes_done=sum(r.sent for r in m.ranks.values()),
             bytes_total=sum(r.total_send for r in m.ranks.values()),
-            moved_bytes=_int(d.get("moved_bytes")),
-            local_bytes=_int(d.get("local_bytes")),
-            checkpoint_bytes=_int(d.get("checkpoint_bytes")),
-            pause_seconds=_float(d.get("pause_seconds")),
+            moved_bytes=d.moved_bytes if d else None,
+            local_bytes=d.local_bytes if d else None,
+            checkpoint_bytes=d.checkpoint_bytes if d else None,
+            pause_seconds=d.pause_seconds if d else None,
             ranks=ranks,
         )
 
 
-def fold(run: str, events: list[Event], now: float, **keys: Any) -> RunView:
+def fold(run: str, events: list[Event | Refused], now: float, **keys: Any) -> RunView:
     """Convenience: a fresh model, all ``events``, then the keys; the view at ``now``."""
     model = RunModel(run)
     for e in events:

@@ -17,13 +17,14 @@ from typing import Any
 from etcslurm.coord import schema
 from etcslurm.coord.client import CoordClient, connect, redact
 from etcslurm.coord.coordinator import Coordinator
-from etcslurm.errors import UsageError
-from etcslurm.monitor.model import Event, RunModel
+from etcslurm.coord.records import Event, parse_event
+from etcslurm.errors import RecordError, UsageError
+from etcslurm.monitor.model import Refused, RunModel
 
 ENV_URL = "ETCSLURM_REDIS_URL"
 ENV_RUN_DIR = "ETCSLURM_RUN_DIR"
 #: Keys whose presence means "this run exists".
-_MARKERS = ("spec", "gen", "events", "workers", "status")
+_MARKERS = ("spec", "gen", "events", "workers")
 #: Events read per XREAD call.
 BATCH = 1000
 
@@ -100,23 +101,15 @@ def pick_run(client: CoordClient, run: str | None) -> str:
     raise UsageError(f"{len(runs)} runs on {client.url}: pick one with --run ({', '.join(runs[:10])})")
 
 
-def to_event(entry: dict[str, Any]) -> Event:
-    """A :meth:`Coordinator.read_events` entry as an :class:`Event`.
-
-    The stream's ``worker`` field (who emitted it) fills ``data["worker"]`` when the payload
-    does not name a worker itself (``worker.state`` is emitted by the worker it is about).
-    """
-    data = entry.get("data")
-    if not isinstance(data, dict):
-        data = {"value": data}
-    who = entry.get("worker")
-    if who and who != "operator" and "worker" not in data:
-        data = {**data, "worker": who}
-    ts = entry.get("ts") or 0.0
-    if not ts:  # no ts field: the stream id's milliseconds
+def to_event(entry: dict[str, Any]) -> Event | Refused:
+    """A :meth:`Coordinator.read_events` entry as a typed :class:`Event`, or a
+    :class:`Refused` saying why :func:`parse_event` refused it."""
+    try:
+        return parse_event(entry)
+    except RecordError as exc:
         ms = str(entry.get("id", "")).split("-")[0]
-        ts = int(ms) / 1000 if ms.isdigit() else time.time()
-    return Event(str(entry.get("id", "")), str(entry.get("type", "?")), float(ts), data)
+        ts = entry.get("ts") or (int(ms) / 1000 if ms.isdigit() else time.time())
+        return Refused(str(entry.get("id", "")), float(ts), str(entry.get("type", "?")), str(exc))
 
 
 @dataclass
@@ -129,17 +122,18 @@ class RunSource:
     def __post_init__(self) -> None:
         self.coord = Coordinator(self.client, self.run)
 
-    def read_events(self, last_id: str, block_ms: int | None = None) -> list[Event]:
+    def read_events(self, last_id: str, block_ms: int | None = None) -> list[Event | Refused]:
         """Events after ``last_id``; waits up to ``block_ms`` for the first one."""
         entries = self.coord.read_events(last_id, block_ms=block_ms, count=BATCH)
         return [to_event(e) for e in entries]
 
     def read_keys(self) -> dict[str, Any]:
-        """The ``workers`` hash (with heartbeat liveness) and the ``gen``/``status`` keys."""
+        """The ``workers`` hash (with heartbeat liveness) and the ``gen`` record (a bad
+        one raises :class:`~etcslurm.errors.RecordError` naming the key and field)."""
+        gen = self.coord.current_generation()
         return {
             "workers": self.coord.members(),
-            "gen": self.coord.current_generation(),
-            "status": self.coord.status(),
+            "gen": gen,
         }
 
     def catch_up(self, model: RunModel) -> int:

@@ -1,32 +1,27 @@
 """What the next generation is: membership, layout, and the planner's inputs (pure).
 
 The leader calls :func:`first_generation` or :func:`next_generation` with what the
-coordinator says about the workers and publishes the resulting record (JSON).  Every
+coordinator says about the workers (and the operator's pending change request, if any)
+and publishes the resulting :class:`~etcslurm.coord.records.GenerationRecord`.  Every
 participant then replays :func:`plan_inputs` + :func:`etcslurm.core.planner.plan` on the
 same record and gets the same plan, so nothing but this small record travels through
-Redis.  No torch, no Redis here: the decisions are unit-testable.
+Redis.  No torch, no Redis here: the decisions are unit-testable and deterministic.
 
-Record fields (besides those the monitor reads, see docs/monitor.md):
-
-``generation``, ``kind`` (``start`` | ``resize`` | ``checkpoint`` | ``stop``), ``step``,
-``from``/``to``/``layout`` (layout text), ``world`` (new world size), ``assignment``
-(``[{rank, worker, node, tp, pp, dp}]``), ``old_world`` (worker ids by old rank),
-``union`` (everyone who takes part in the state exchange, in group-rank order),
-``leaving``, ``joining``, ``dead``, ``idle`` (worker ids), ``nodes`` (worker → node),
-``planner_ids`` (worker → id the planner knows it by: old rank or ``join:k``),
-``scalars`` (iteration, consumed samples, scheduler... of the leader), ``reason``.
+The record's fields are listed in ``coord/records.py`` (and docs/coordinator.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from etcslurm.coord.records import Assignment, ChangeRequest, GenerationRecord
 from etcslurm.core.gpt_state import expand
 from etcslurm.core.layout import LayoutDecision, ParallelConfig, choose_config
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.planner import MigrationPlan, PlanInputs, message_cap, plan
+from etcslurm.errors import LayoutError
 
 
 @dataclass(frozen=True)
@@ -53,99 +48,213 @@ class RunSettings:
         )
 
 
+def layout_problems(settings: RunSettings, config: ParallelConfig) -> list[str]:
+    """Why ``config`` cannot train this run's model and batch (empty: it can).
+
+    The same rules as the automatic choice: heads, ffn and layers divide, TP groups fit
+    inside a node, the global batch splits over DP.
+    """
+    out = config.problems(settings.spec)
+    if settings.gpus_per_node % config.tp:
+        out.append(f"tp={config.tp} does not fit a {settings.gpus_per_node}-GPU node")
+    if settings.global_batch % (config.dp * settings.micro_batch):
+        out.append(f"global batch {settings.global_batch} does not split over dp={config.dp} "
+                   f"with micro batch {settings.micro_batch}")
+    return out
+
+
 def _assignment(
     config: ParallelConfig, workers: Sequence[str], nodes: Mapping[str, str]
-) -> list[dict[str, Any]]:
+) -> tuple[Assignment, ...]:
     out = []
     for rank, worker in enumerate(workers):
         c = config.coord(rank)
-        out.append(
-            {"rank": rank, "worker": worker, "node": nodes.get(worker, "?"),
-             "tp": c.tp, "pp": c.pp, "dp": c.dp}
-        )
-    return out
+        out.append(Assignment(rank, worker, nodes.get(worker, "?"), c.tp, c.pp, c.dp))
+    return tuple(out)
 
 
 def first_generation(
     settings: RunSettings, workers: Sequence[str], nodes: Mapping[str, str], step: int = 0
-) -> dict[str, Any]:
+) -> GenerationRecord:
     """Generation 0: the first ``used`` workers (in registration order) form the world."""
     decision = settings.choose(len(workers), None)
-    world = list(workers[: decision.used_devices])
+    world = tuple(workers[: decision.used_devices])
     cfg = decision.config
-    return {
-        "generation": 0,  # the coordinator's generation CAS starts from an empty key at 0
-        "kind": "start",
-        "step": step,
-        "from": None,
-        "to": str(cfg),
-        "layout": str(cfg),
-        "world": cfg.world_size,
-        "assignment": _assignment(cfg, world, nodes),
-        "old_world": None,
-        "union": world,
-        "leaving": [],
-        "joining": list(world),
-        "dead": [],
-        "idle": list(workers[decision.used_devices:]),
-        "nodes": {w: nodes.get(w, "?") for w in workers},
-        "planner_ids": {},
-        "reason": decision.reason,
-    }
+    return GenerationRecord(
+        generation=0,  # the coordinator's generation CAS starts from an empty key at 0
+        kind="start",
+        step=step,
+        from_layout=None,
+        to_layout=str(cfg),
+        world=cfg.world_size,
+        assignment=_assignment(cfg, world, nodes),
+        old_world=None,
+        union=world,
+        leaving=(),
+        joining=world,
+        dead=(),
+        idle=tuple(workers[decision.used_devices:]),
+        nodes={w: nodes.get(w, "?") for w in workers},
+        planner_ids={},
+        scalars={},
+        reason=decision.reason,
+    )
 
 
-def plan_inputs(settings: RunSettings, record: Mapping[str, Any]) -> PlanInputs:
+def end_generation(current: GenerationRecord, step: int, reason: str) -> GenerationRecord:
+    """The ``end`` record a finished run publishes after ``current``: same layout, nobody
+    in it, so standbys and late joiners waiting for a generation go home."""
+    return replace(
+        current, generation=current.generation + 1, kind="end", step=step,
+        from_layout=current.to_layout, old_world=None, union=(), leaving=(), joining=(),
+        dead=(), idle=(), planner_ids={}, scalars={}, reason=reason, layout_reason="",
+        resume=None, plan_stats=None, published_by=None, published_at=None,
+    )
+
+
+def plan_inputs(settings: RunSettings, record: GenerationRecord) -> PlanInputs:
     """The planner inputs of a ``resize`` record (every participant rebuilds them)."""
-    old_cfg = ParallelConfig.parse(record["from"])
-    new_cfg = ParallelConfig.parse(record["to"])
+    if record.from_layout is None or record.old_world is None:
+        raise LayoutError(f"generation {record.generation} ({record.kind}) has no previous "
+                          "world to plan a migration from")
+    old_cfg = ParallelConfig.parse(record.from_layout)
+    new_cfg = ParallelConfig.parse(record.to_layout)
     old_state = expand(settings.spec, old_cfg, settings.optimizer, settings.params_dtype)
     new_state = expand(settings.spec, new_cfg, settings.optimizer, settings.params_dtype)
-    ids: Mapping[str, str] = record["planner_ids"]
-    old_world: Sequence[str] = record["old_world"]
-    dead = set(record["dead"])
+    ids = record.planner_ids
+    dead = set(record.dead)
     old_device_class = {
         str(rank): old_state.rank_class[rank]
-        for rank, worker in enumerate(old_world)
+        for rank, worker in enumerate(record.old_world)
         if worker not in dead
     }
-    joiners = [ids[w] for w in record["union"] if ids[w].startswith("join:")]
-    nodes = {ids[w]: record["nodes"][w] for w in record["union"]}
+    joiners = [ids[w] for w in record.union if ids[w].startswith("join:")]
+    nodes = {ids[w]: record.nodes[w] for w in record.union}
     return PlanInputs(
         old_classes=[list(c) for c in old_state.classes],
         old_device_class=old_device_class,
         new_classes=[list(c) for c in new_state.classes],
         new_rank_class=list(new_state.rank_class),
         nodes=nodes,
-        leaving=sorted((ids[w] for w in record["leaving"] if w not in dead), key=int),
+        leaving=sorted((ids[w] for w in record.leaving if w not in dead), key=int),
         joiners=joiners,
         staging_bytes=message_cap(settings.staging_bytes),  # the executor's cap is per round
     )
 
 
+def _available(
+    current: GenerationRecord, leaving: Sequence[str], dead: Sequence[str],
+    ready: Sequence[str], drain: Sequence[str] = (),
+) -> tuple[list[str], list[str], list[str]]:
+    """(old world by rank, its survivors, the joiners) once ``drain`` counts as leaving."""
+    old_world = current.workers_by_rank()
+    gone = set(leaving) | set(dead) | set(drain)
+    survivors = [w for w in old_world if w not in gone]
+    joiners = [w for w in ready if w not in old_world and w not in set(drain)]
+    return old_world, survivors, joiners
+
+
+def check_request(
+    settings: RunSettings,
+    current: GenerationRecord,
+    request: ChangeRequest,
+    *,
+    leaving: Sequence[str] = (),
+    dead: Sequence[str] = (),
+    ready: Sequence[str] = (),
+) -> str | None:
+    """Why ``request`` cannot be carried out after ``current`` now (``None``: it can).
+
+    The caller (the leader) takes an invalid request off the queue and emits this text as
+    an ``error`` event; :func:`next_generation` then ignores the request.
+    """
+    if current.kind not in ("start", "resize"):
+        return f"generation {current.generation} is a {current.kind} record, not a running world"
+    old_world, survivors, joiners = _available(current, leaving, dead, ready, request.drain)
+    known = set(old_world) | set(ready) | set(leaving) | set(dead)
+    strangers = [w for w in request.drain if w not in known]
+    if strangers:
+        return f"cannot drain {', '.join(strangers)}: not in the world nor waiting to join"
+    if request.to is None or request.to == "auto":
+        return None
+    try:
+        cfg = ParallelConfig.parse(request.to)
+    except LayoutError as exc:
+        return str(exc)
+    problems = layout_problems(settings, cfg)
+    if problems:
+        return f"layout {cfg} does not suit {settings.spec.name}: {'; '.join(problems)}"
+    n_avail = len(survivors) + len(joiners)
+    if cfg.world_size > n_avail:
+        return f"layout {cfg} needs {cfg.world_size} workers, only {n_avail} are available"
+    return None
+
+
+def merge_requests(requests: Sequence[ChangeRequest]) -> ChangeRequest | None:
+    """The pending requests (oldest first) as one: every ``drain`` (in order, once), the
+    newest ``to``; ``None`` when there are none.  The leader passes this to
+    :func:`worth_changing` / :func:`next_generation` and takes all of them afterwards."""
+    if not requests:
+        return None
+    drain = tuple(dict.fromkeys(w for r in requests for w in r.drain))
+    to = next((r.to for r in reversed(requests) if r.to is not None), None)
+    if len(requests) == 1:
+        return requests[0]
+    by = ", ".join(dict.fromkeys(r.by for r in requests))
+    reason = "; ".join(r.reason for r in requests if r.reason)
+    return ChangeRequest(to=to, drain=drain, by=by, ts=requests[-1].ts, reason=reason)
+
+
 def worth_changing(
     settings: RunSettings,
-    current: Mapping[str, Any],
+    current: GenerationRecord,
     *,
     leaving: Sequence[str],
     dead: Sequence[str],
     ready: Sequence[str],
+    request: ChangeRequest | None = None,
 ) -> bool:
-    """Whether the world must change now: someone leaves or died, or the ready workers
-    would give a different layout (an idle standby that fits nowhere is no reason)."""
-    world = [a["worker"] for a in current["assignment"]]
+    """Whether the world must change now: a valid change request is pending, someone
+    leaves or died, or the ready workers would give a different layout (an idle standby
+    that fits nowhere is no reason, nor is one while an operator's layout is in force)."""
+    if request is not None and check_request(
+            settings, current, request, leaving=leaving, dead=dead, ready=ready) is None:
+        return True
+    world = current.workers_by_rank()
     gone = (set(leaving) | set(dead)) & set(world)
     if gone:
         return True
     joiners = [w for w in ready if w not in world]
-    if not joiners:
+    if not joiners or current.requested is not None:
         return False
-    decision = settings.choose(len(world) + len(joiners), ParallelConfig.parse(current["to"]))
-    return decision.config != ParallelConfig.parse(current["to"])
+    now = ParallelConfig.parse(current.to_layout)
+    decision = settings.choose(len(world) + len(joiners), now)
+    return decision.config != now
+
+
+def _target(
+    settings: RunSettings, current: GenerationRecord, request: ChangeRequest | None,
+    n_avail: int, old_cfg: ParallelConfig,
+) -> tuple[ParallelConfig, str | None, str]:
+    """(new layout, the operator's layout in force or None, why this layout)."""
+    if request is not None and request.to not in (None, "auto"):
+        cfg = ParallelConfig.parse(request.to)
+        return cfg, str(cfg), f"{cfg} requested by {request.by}"
+    pinned = None if request is not None and request.to == "auto" else current.requested
+    if pinned is not None:
+        cfg = ParallelConfig.parse(pinned)
+        if cfg.world_size <= n_avail and not layout_problems(settings, cfg):
+            return cfg, pinned, f"keeps {cfg}, requested earlier"
+    decision = settings.choose(n_avail, old_cfg)
+    why = decision.reason
+    if pinned is not None:
+        why = f"requested {pinned} no longer fits {n_avail} workers; {why}"
+    return decision.config, None, why
 
 
 def next_generation(
     settings: RunSettings,
-    current: Mapping[str, Any],
+    current: GenerationRecord,
     *,
     leaving: Sequence[str],
     dead: Sequence[str],
@@ -154,71 +263,70 @@ def next_generation(
     step: int,
     scalars: Mapping[str, Any] | None,
     reason: str,
-) -> tuple[dict[str, Any], MigrationPlan | None]:
+    request: ChangeRequest | None = None,
+) -> tuple[GenerationRecord, MigrationPlan | None]:
     """The record that follows ``current`` at step ``step`` (and the plan it implies).
 
     ``leaving``: world members that asked to leave; ``dead``: world members whose
     heartbeat expired or who vanished; ``ready``: live workers outside the world that can
-    join (new joiners, idle standbys), in registration order.
+    join (new joiners, idle standbys), in registration order.  ``request``: the pending
+    change request to carry out: its ``to`` layout is used and its ``drain`` workers
+    leave, when :func:`check_request` accepts it; else it is ignored and the record's
+    ``reason`` says why.
     """
-    old_world: list[str] = [a["worker"] for a in sorted(current["assignment"], key=lambda a: a["rank"])]
-    old_cfg = ParallelConfig.parse(current["to"])
-    gone = set(leaving) | set(dead)
-    survivors = [w for w in old_world if w not in gone]
-    joiners = [w for w in ready if w not in old_world]
-    all_nodes = dict(current.get("nodes", {}))
+    problem = None
+    if request is not None:
+        problem = check_request(settings, current, request, leaving=leaving, dead=dead,
+                                ready=ready)
+        if problem is not None:
+            reason = f"{reason}; change request by {request.by} ignored: {problem}"
+            request = None
+    drain = request.drain if request is not None else ()
+    old_world, survivors, joiners = _available(current, leaving, dead, ready, drain)
+    old_cfg = ParallelConfig.parse(current.to_layout)
+    dead_set = set(dead)
+    leave_set = set(leaving) | set(drain)
+    all_nodes = dict(current.nodes)
     all_nodes.update(nodes)
-    base = {
-        "generation": int(current["generation"]) + 1,
-        "step": step,
-        "from": str(old_cfg),
-        "old_world": old_world,
-        "leaving": [w for w in old_world if w in set(leaving) and w not in set(dead)],
-        "dead": [w for w in old_world if w in set(dead)],
-        "nodes": {w: all_nodes.get(w, "?") for w in (*old_world, *joiners)},
-        "scalars": dict(scalars or {}),
-        "reason": reason,
-    }
+    leavers = tuple(w for w in old_world if w in leave_set and w not in dead_set)
+    gone_dead = tuple(w for w in old_world if w in dead_set)
+    rec_nodes = {w: all_nodes.get(w, "?") for w in (*old_world, *joiners)}
+    common: dict[str, Any] = dict(
+        generation=current.generation + 1, step=step, from_layout=str(old_cfg),
+        old_world=tuple(old_world), leaving=leavers, dead=gone_dead, nodes=rec_nodes,
+        scalars=dict(scalars or {}), reason=reason,
+    )
     n_avail = len(survivors) + len(joiners)
     if n_avail == 0:
         # nobody stays: write a checkpoint (leavers still hold everything) and let Slurm
         # requeue the job; a restart resumes from it
-        return {
-            **base, "kind": "checkpoint", "to": str(old_cfg), "layout": str(old_cfg),
-            "world": old_cfg.world_size,
-            "assignment": current["assignment"], "union": [w for w in old_world if w not in set(dead)],
-            "joining": [], "idle": [], "planner_ids": {},
-        }, None
-    decision = settings.choose(n_avail, old_cfg)
-    new_cfg = decision.config
+        return GenerationRecord(
+            **common, kind="checkpoint", to_layout=str(old_cfg), world=old_cfg.world_size,
+            assignment=current.assignment,
+            union=tuple(w for w in old_world if w not in dead_set),
+            joining=(), idle=(), planner_ids={}, requested=current.requested,
+        ), None
+    new_cfg, requested, layout_reason = _target(settings, current, request, n_avail, old_cfg)
     planner_ids = {w: str(r) for r, w in enumerate(old_world)}
     planner_ids.update({w: f"join:{k}" for k, w in enumerate(joiners)})
-    union = [w for w in old_world if w not in set(dead)] + joiners
-    record = {
-        **base,
-        "kind": "resize",
-        "to": str(new_cfg),
-        "layout": str(new_cfg),
-        "world": new_cfg.world_size,
-        "union": union,
-        "joining": joiners,
-        "planner_ids": planner_ids,
-        "assignment": [],
-        "idle": [],
-        "layout_reason": decision.reason,
-    }
-    migration = plan(plan_inputs(settings, record))
+    union = tuple(w for w in old_world if w not in dead_set) + tuple(joiners)
+    draft = GenerationRecord(
+        **common, kind="resize", to_layout=str(new_cfg), world=new_cfg.world_size,
+        assignment=(), union=union, joining=tuple(joiners), idle=(), planner_ids=planner_ids,
+        layout_reason=layout_reason, requested=requested,
+    )
+    migration = plan(plan_inputs(settings, draft))
     by_id = {v: k for k, v in planner_ids.items()}
     world = [by_id[d] for d in migration.assignment]
-    record["assignment"] = _assignment(new_cfg, world, record["nodes"])
-    record["idle"] = [w for w in union if w not in set(world) and w not in set(base["leaving"])]
-    record["joining"] = [w for w in joiners if w in set(world)]
+    record = replace(
+        draft,
+        assignment=_assignment(new_cfg, world, rec_nodes),
+        idle=tuple(w for w in union if w not in set(world) and w not in set(leavers)),
+        joining=tuple(w for w in joiners if w in set(world)),
+    )
     if migration.missing:
-        held_by = sorted(base["dead"])
         count = sum(len(v) for v in migration.missing.values())
-        record["kind"] = "stop"
-        record["reason"] = (
-            f"{count} state pieces were held only by dead worker(s) {', '.join(held_by)} "
-            "and no replica survives"
-        )
+        record = replace(record, kind="stop", reason=(
+            f"{count} state pieces were held only by dead worker(s) {', '.join(sorted(gone_dead))} "
+            "and no replica survives"))
     return record, migration

@@ -24,12 +24,13 @@ from typing import Any
 
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
+from etcslurm.coord.records import GenerationRecord
 from etcslurm.coord.server import BundledRedis
 from etcslurm.core.models import GPTSpec
 from etcslurm.errors import EtcslurmError, UsageError, WaitTimeout
 from etcslurm.parent_death import die_with_parent
+from etcslurm.runtime.config import RunSettings
 from etcslurm.runtime.schedule import ScheduledEvent, active_after, parse_schedule
-from etcslurm.runtime.session import SessionConfig
 
 #: |elastic − reference| loss tolerance: across a DP change the gradient sum runs in a
 #: different order (float32), which moves losses by ~1e-6 relative; see docs/runtime.md
@@ -56,10 +57,11 @@ class DemoOptions:
     collective_timeout: float = 10.0
     timeout: float = 600.0
     keep_keys_s: float = 60.0
-    migration_delay: float = 0.0  # fault tests: workers pause after a migration's 1st round
-    rebuild_delay: float = 0.0  # fault tests: new members pause before the new world forms
-    staging_mb: float | None = None  # the workers' staging cap (default theirs: 512 MiB)
-    min_step_seconds: float = 0.0  # fault tests: pace the steps so joiners arrive in time
+    staging_mb: float | None = None  # the run's staging cap (default: 512 MiB)
+    min_step_seconds: float = 0.0  # pace the steps so joiners arrive in time
+    #: the worker program: fault tests use ``etcslurm.testing.worker`` with its arguments
+    worker_module: str = "etcslurm.runtime.worker"
+    worker_args: tuple[str, ...] = ()
 
 
 @dataclass
@@ -132,17 +134,17 @@ class LocalRun:
         self.url, self.password_file, self.spec = url, password_file, spec
         self.procs: list[WorkerProc] = []
         self.by_worker: dict[str, WorkerProc] = {}
-        self.session = SessionConfig(
-            run_id=run_id, redis_url=url, password_file=password_file, spec=spec,
-            optimizer=opts.optimizer, global_batch=opts.global_batch,
+        staging = {"staging_bytes": int(opts.staging_mb * 2**20)} if opts.staging_mb else {}
+        self.settings = RunSettings(
+            model=spec, optimizer=opts.optimizer, global_batch=opts.global_batch,
             micro_batch=opts.micro_batch, seed=opts.seed, steps=opts.steps,
-            initial_workers=initial, gpus_per_node=opts.gpus_per_node, run_dir=str(run_dir),
+            initial_workers=initial, gpus_per_node=opts.gpus_per_node, **staging,
         )
         self.coord = Coordinator(connect(url, password_file), run_id)
-        self.coord.ensure_spec(self.session.run_spec())
+        self.coord.ensure_spec(self.settings.to_json())
         self.last_id = "0"
         self.step = 0
-        self.record: dict[str, Any] | None = None
+        self.record: GenerationRecord | None = None
         self.result = DemoResult(run_id, str(run_dir), opts.steps)
         self._joined_nodes = 0
         self.kill_joiners = 0
@@ -155,19 +157,12 @@ class LocalRun:
         log = self.run_dir / f"worker-{index}.log"
         env = dict(os.environ)
         env.update(ETCSLURM_NODE=node, PYTHONUNBUFFERED="1")
-        if self.opts.migration_delay:
-            env["ETCSLURM_TEST_MIGRATION_DELAY"] = str(self.opts.migration_delay)
-        if self.opts.rebuild_delay:
-            env["ETCSLURM_TEST_REBUILD_DELAY"] = str(self.opts.rebuild_delay)
-        if self.opts.staging_mb:
-            env["ETCSLURM_STAGING_MB"] = str(self.opts.staging_mb)
-        if self.opts.min_step_seconds:
-            env["ETCSLURM_MIN_STEP_SECONDS"] = str(self.opts.min_step_seconds)
         cmd = [
-            sys.executable, "-m", "etcslurm.runtime.worker", "--run", self.run_id,
-            "--redis", self.url, "--run-dir", str(self.run_dir),
+            sys.executable, "-m", self.opts.worker_module, *self.opts.worker_args,
+            "--run", self.run_id, "--redis", self.url, "--run-dir", str(self.run_dir),
             "--dead-after", str(self.opts.dead_after),
             "--collective-timeout", str(self.opts.collective_timeout),
+            "--min-step-seconds", str(self.opts.min_step_seconds),
         ]
         if self.password_file:
             cmd += ["--password-file", str(self.password_file)]
@@ -192,10 +187,9 @@ class LocalRun:
         """The highest-ranked workers of the current world not yet signalled."""
         if self.record is None:
             return []
-        ranked = sorted(self.record.get("assignment", []), key=lambda a: -a["rank"])
         out = []
-        for a in ranked:
-            wp = self.by_worker.get(a["worker"])
+        for worker in reversed(self.record.workers_by_rank()):
+            wp = self.by_worker.get(worker)
             if wp is not None and wp.signalled_at is None and wp.proc.poll() is None:
                 out.append(wp)
             if len(out) == count:
@@ -226,10 +220,10 @@ class LocalRun:
     def _kill_receiving_joiner(self, progress: dict[str, Any]) -> None:
         """``killjoiner`` (armed by the schedule): SIGKILL a joiner of the current resize
         once it reports received bytes -- mid-migration, not before it starts."""
-        rec = self.record or {}
+        rec = self.record
         wid = progress.get("worker")
-        if (self.kill_joiners <= 0 or rec.get("kind") != "resize"
-                or wid not in (rec.get("joining") or []) or not progress.get("recv")):
+        if (self.kill_joiners <= 0 or rec is None or rec.kind != "resize"
+                or wid not in rec.joining or not progress.get("recv")):
             return
         wp = self.by_worker.get(wid)
         if wp is not None and not wp.killed and wp.proc.poll() is None:
@@ -255,18 +249,17 @@ class LocalRun:
                     self.result.generations[-1]["first_step_ts"] = ev["ts"]
             elif kind == "generation.start":
                 latest = self.coord.current_generation()
-                if latest is not None and latest.get("kind") == "end":
+                if latest is None or latest.kind == "end":
                     continue  # the closing record that sends waiting joiners home
-                self.record = latest
-                rec = self.record or {}
+                self.record = rec = latest
                 self.result.generations.append({
-                    "generation": rec.get("generation"), "kind": rec.get("kind"),
-                    "from": rec.get("from"), "to": rec.get("to"), "world": rec.get("world"),
-                    "leaving": rec.get("leaving", []), "joining": rec.get("joining", []),
-                    "dead": rec.get("dead", []), "idle": rec.get("idle", []),
-                    "step": rec.get("step"), "ts": ev["ts"],
-                    "moved_bytes": (rec.get("plan_stats") or {}).get("moved_bytes"),
-                    "reason": rec.get("layout_reason") or rec.get("reason"),
+                    "generation": rec.generation, "kind": rec.kind,
+                    "from": rec.from_layout, "to": rec.to_layout, "world": rec.world,
+                    "leaving": list(rec.leaving), "joining": list(rec.joining),
+                    "dead": list(rec.dead), "idle": list(rec.idle),
+                    "step": rec.step, "ts": ev["ts"],
+                    "moved_bytes": (rec.plan_stats or {}).get("moved_bytes"),
+                    "reason": rec.layout_reason or rec.reason,
                 })
             elif kind in ("migration.progress", "migration.rebuild"):
                 self.migration_events.append(ev)

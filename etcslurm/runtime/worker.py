@@ -14,9 +14,11 @@ import os
 import sys
 
 from etcslurm.errors import EtcslurmError, UsageError
+from etcslurm.hooks import Hooks
+from etcslurm.runtime.config import RunSettings, WorkerOptions
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m etcslurm.runtime.worker",
                                 description="Run one elastic etcslurm worker.")
     env = os.environ.get
@@ -33,19 +35,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--collective-timeout", type=float,
                    default=float(env("ETCSLURM_COLLECTIVE_TIMEOUT", "10")))
     p.add_argument("--join-timeout", type=float, default=float(env("ETCSLURM_JOIN_TIMEOUT", "600")))
-    p.add_argument("--staging-mb", type=float, default=float(env("ETCSLURM_STAGING_MB", "512")))
     p.add_argument("--checkpoint-dir", default=env("ETCSLURM_CHECKPOINT_DIR"))
+    p.add_argument("--min-step-seconds", type=float,
+                   default=float(env("ETCSLURM_MIN_STEP_SECONDS", "0") or 0),
+                   help="make each step last at least this long (demos: joiners get time "
+                        "to arrive); losses and data order are unchanged")
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> object:
-    """Build the SessionConfig from the CLI and the run spec stored in the coordinator."""
+def config_from_args(args: argparse.Namespace) -> tuple[RunSettings, WorkerOptions]:
+    """The run settings stored in the coordinator, and this worker's options."""
     import socket
 
     from etcslurm.coord.client import connect
     from etcslurm.coord.coordinator import Coordinator
-    from etcslurm.core.models import GPTSpec
-    from etcslurm.runtime.session import SessionConfig
 
     if not args.run or not args.redis:
         raise UsageError("a worker needs --run and --redis (or ETCSLURM_RUN, ETCSLURM_REDIS_URL)")
@@ -55,41 +58,34 @@ def config_from_args(args: argparse.Namespace) -> object:
     if spec is None:
         raise UsageError(f"run {args.run!r} has no spec in the coordinator: start it with "
                          "`etcslurm demo` or `etcslurm submit` first")
-    return SessionConfig(
+    options = WorkerOptions(
         run_id=args.run,
         redis_url=args.redis,
         password_file=args.password_file,
-        spec=GPTSpec.from_json(spec["model"]),
-        optimizer=spec["optimizer"],
-        global_batch=int(spec["global_batch"]),
-        micro_batch=int(spec["micro_batch"]),
-        seed=int(spec["seed"]),
-        steps=int(spec["steps"]),
-        lr=float(spec["lr"]),
-        initial_workers=int(spec["initial_workers"]),
-        gpus_per_node=int(spec["gpus_per_node"]),
         node=args.node or socket.gethostname(),
         run_dir=args.run_dir,
-        staging_bytes=int(args.staging_mb * 2**20),
         dead_after=args.dead_after,
         collective_timeout=args.collective_timeout,
         join_timeout=args.join_timeout,
         checkpoint_dir=args.checkpoint_dir,
+        min_step_seconds=args.min_step_seconds,
     )
+    return RunSettings.from_json(spec), options
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
+    """Run one worker; ``hooks``: test injection points (``etcslurm.testing.worker``)."""
     logging.basicConfig(level=os.environ.get("ETCSLURM_LOG", "WARNING"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     try:
-        config = config_from_args(args)
+        settings, options = config_from_args(args)
     except EtcslurmError as exc:
         sys.stderr.write(f"etcslurm worker: {exc}\n")
         return exc.exit_code
     from etcslurm.runtime.session import run_worker
 
-    return run_worker(config)  # type: ignore[arg-type]
+    return run_worker(settings, options, hooks=hooks)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@ submission and growth by further jobs.
 
 The runtime uses three seams from here (see ``docs/slurm.md``):
 
-* :class:`~etcslurm.slurm.environment.SlurmEnvironment` — who am I in the job
+* :class:`~etcslurm.job.environment.SlurmEnvironment` — who am I in the job
   (job id, rank, node, device, end time) from ``SLURM_*`` and ``ETCSLURM_*``;
-* :class:`~etcslurm.slurm.signals.SignalTrap` — Slurm's warning / preemption signal
-  turned into a flag + a :class:`~etcslurm.slurm.signals.SignalEvent` with a time budget;
+* :class:`~etcslurm.job.signals.SignalTrap` — Slurm's warning / preemption signal
+  turned into a flag + a :class:`~etcslurm.job.signals.SignalEvent` with a time budget;
 * :func:`~etcslurm.slurm.submission.submit` / :func:`~etcslurm.slurm.submission.grow` —
   start a run, add capacity as a further job whose workers join.
 

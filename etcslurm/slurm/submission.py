@@ -2,7 +2,7 @@
 
 Two launch paths that give a worker the same environment contract (``ETCSLURM_RUN``,
 ``ETCSLURM_REDIS_URL``, ``ETCSLURM_ROLE``, ``ETCSLURM_SIGNALS``, ``ETCSLURM_SIGNAL_LEAD``,
-``ETCSLURM_GRACE_TIME``, ``SLURM_JOB_END_TIME``; see :mod:`etcslurm.slurm.environment`):
+``ETCSLURM_GRACE_TIME``, ``SLURM_JOB_END_TIME``; see :mod:`etcslurm.job.environment`):
 
 * ``via="sbatch"`` renders ``templates/elastic.sbatch`` / ``grow.sbatch`` and submits it;
   the worker is a command line (``worker_cmd``).
@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from etcslurm.errors import EtcslurmError, UsageError
-from etcslurm.slurm import environment as E
-from etcslurm.slurm.environment import SlurmEnvironment, parse_slurm_time
-from etcslurm.slurm.signals import DEFAULT_SIGNALS, SignalTrap, parse_signal
+from etcslurm.job import environment as E
+from etcslurm.job.environment import SlurmEnvironment, parse_slurm_time
+from etcslurm.job.signals import DEFAULT_SIGNALS, SignalTrap, parse_signal
 from etcslurm.slurm.templates import render, render_het
 
 DEFAULT_WORKER_CMD = "python -m etcslurm.runtime.worker"  # the runtime's worker entry point
@@ -329,26 +329,6 @@ class ElasticTask:
             target.checkpoint()
         self.checkpoints += 1
         return DelayedSubmission(self)
-
-
-def requeue(job_id: str | None = None, timeout: float = 60.0) -> None:
-    """Requeue this job (``scontrol requeue``): the fallback when nothing survives.
-
-    A job whose processes exit by themselves during a preemption's grace time ends
-    COMPLETED and is *not* requeued by Slurm; a worker that wrote a checkpoint for the
-    whole run must therefore requeue its job explicitly before exiting (as Submitit does).
-    The restarted job sees ``SLURM_RESTART_COUNT`` ≥ 1 and resumes from the checkpoint.
-    """
-    job_id = job_id or SlurmEnvironment.from_env().job_id
-    if not job_id:
-        raise UsageError("not inside a Slurm job: nothing to requeue")
-    try:
-        res = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
-                             timeout=timeout, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise EtcslurmError(f"scontrol requeue {job_id} failed: {exc}") from None
-    if res.returncode != 0:
-        raise EtcslurmError(f"scontrol requeue {job_id} failed: {res.stderr.strip()}")
 
 
 def end_time_of(job_id: str) -> float | None:

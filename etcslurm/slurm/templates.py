@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from etcslurm.errors import UsageError
-from etcslurm.slurm.signals import parse_signal
+from etcslurm.job.signals import parse_signal
 
 _FIELD_RE = re.compile(r"^##@\s+(\w+):(\w+)(?:=(\S*))?(?:\s+(.*))?$")
 _PLACEHOLDER_RE = re.compile(r"\{\{\s*(\w+)\s*\}\}")

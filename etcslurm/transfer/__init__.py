@@ -1,6 +1,6 @@
 """Transfer: the thin layer that moves planned state between devices.
 
-``groups`` owns the torch.distributed process-group lifecycle (configure a generation,
-tear it down completely); ``executor`` runs a :class:`~etcslurm.core.planner.MigrationPlan`
-for one device: pack -> ``batch_isend_irecv`` -> verify checksum -> unpack.
+``executor`` runs one device's part of a :class:`~etcslurm.core.planner.MigrationPlan`:
+pack -> send/recv -> verify checksum -> unpack.  The process groups it runs on come from
+:mod:`etcslurm.groups.lifecycle`.
 """

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from etcslurm.core.state import Piece, box_contains, box_relative, dtype_bytes
 from etcslurm.errors import MigrationError, WaitTimeout
+from etcslurm.hooks import Hooks
 
 #: byte alignment of each message buffer inside the staging arena (int64 checksum views
 #: need 8; 64 keeps buffers on cache lines)
@@ -255,7 +256,7 @@ def execute(
     group: dist.ProcessGroup | dist.Backend | None = None,
     arena: torch.Tensor | None = None,
     direct_min: int = DIRECT_MIN_BYTES,
-    corrupt: Callable[[MessageLike, list[torch.Tensor]], None] | None = None,
+    hooks: Hooks | None = None,
 ) -> TransferStats:
     """Run every message and local copy of ``device`` in the plan.
 
@@ -270,8 +271,8 @@ def execute(
     resident: receiving into fresh pages costs 2.4-2.7x, docs/migration.md); used when it
     is large enough, else a new one is allocated.
     ``direct_min``: see :data:`DIRECT_MIN_BYTES` (all ends must agree; tests lower it).
-    ``corrupt`` is a test hook applied to each received message before verification: the
-    packed buffer, then the bytes of each segment, as landed.
+    ``hooks``: :meth:`Hooks.message_received` gets each received message before it is
+    verified, with its buffers as landed (the packed buffer, then each segment's bytes).
     """
     start = time.perf_counter()
     stats = TransferStats(device=device)
@@ -350,8 +351,8 @@ def execute(
             _wait(work, wait_for, timeout, device, rnd, by_round.get(rnd, []))
         stats.comm_seconds += time.perf_counter() - t0
         for incoming in recvs:
-            if corrupt is not None:
-                corrupt(incoming.msg, [incoming.buf, *incoming.segments])
+            if hooks is not None:
+                hooks.message_received(incoming.msg, [incoming.buf, *incoming.segments])
             t0 = time.perf_counter()
             incoming.verify()
             stats.checksum_seconds += time.perf_counter() - t0
@@ -521,19 +522,6 @@ def check_fills(
             "(the plan does not cover its state)"
         )
     return filled
-
-
-def execute_plan(
-    plan: Any,
-    device: str,
-    ranks: Mapping[str, int],
-    held: Iterable[tuple[Piece, torch.Tensor]],
-    needed: Iterable[tuple[Piece, torch.Tensor]],
-    **kwargs: Any,
-) -> TransferStats:
-    """:func:`execute` for a core ``MigrationPlan`` (``messages`` and ``local[device]``)."""
-    local = plan.local.get(device, []) if isinstance(plan.local, Mapping) else []
-    return execute(plan.messages, local, device, ranks, held, needed, **kwargs)
 
 
 def _post(ops: Sequence[tuple[bool, torch.Tensor, int]],

@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from etcslurm.errors import UsageError
+from etcslurm.errors import EtcslurmError, UsageError
 
 # ---- the environment contract between the launchers (templates, submission) and workers
 ENV_RUN = "ETCSLURM_RUN"  # run namespace in the coordinator (what the runtime's worker reads)
@@ -353,3 +353,23 @@ def scontrol_hostnames(hostlist: str, timeout: float = 10.0) -> list[str]:
     if out:
         return out.split()
     return expand_hostlist(hostlist)
+
+
+def requeue(job_id: str | None = None, timeout: float = 60.0) -> None:
+    """Requeue this job (``scontrol requeue``): the fallback when nothing survives.
+
+    A job whose processes exit by themselves during a preemption's grace time ends
+    COMPLETED and is *not* requeued by Slurm; a worker that wrote a checkpoint for the
+    whole run must therefore requeue its job explicitly before exiting (as Submitit does).
+    The restarted job sees ``SLURM_RESTART_COUNT`` ≥ 1 and resumes from the checkpoint.
+    """
+    job_id = job_id or SlurmEnvironment.from_env().job_id
+    if not job_id:
+        raise UsageError("not inside a Slurm job: nothing to requeue")
+    try:
+        res = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
+                             timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise EtcslurmError(f"scontrol requeue {job_id} failed: {exc}") from None
+    if res.returncode != 0:
+        raise EtcslurmError(f"scontrol requeue {job_id} failed: {res.stderr.strip()}")

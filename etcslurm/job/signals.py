@@ -137,7 +137,7 @@ class SignalTrap:
     @classmethod
     def from_env(cls, env: Any = None, callback: Callable[[SignalEvent], None] | None = None) -> SignalTrap:
         """Configure from a :class:`SlurmEnvironment` (``ETCSLURM_SIGNALS``, lead, grace, end)."""
-        from etcslurm.slurm.environment import SlurmEnvironment
+        from etcslurm.job.environment import SlurmEnvironment
 
         env = env or SlurmEnvironment.from_env()
         names = env.signals or DEFAULT_SIGNALS
@@ -262,3 +262,21 @@ class SignalTrap:
             prev(int(target), None)
             return True
         return False
+
+
+def trap_for_job(signals: Iterable[str], leave_budget: float,
+                 callback: Callable[[SignalEvent], None]) -> SignalTrap:
+    """The leave-signal trap of a worker.
+
+    Under Slurm (or with ``ETCSLURM_SIGNALS`` exported by a template / Submitit task) the
+    signals and the time budget come from the job: min(signal lead, partition GraceTime,
+    ``SLURM_JOB_END_TIME`` − now), so a preempted worker announces the budget it really
+    has.  Elsewhere (``etcslurm demo``) ``signals`` with ``leave_budget`` as the assumed
+    lead.
+    """
+    from etcslurm.job.environment import SlurmEnvironment
+
+    env = SlurmEnvironment.from_env()
+    if env.is_slurm or env.signals:
+        return SignalTrap.from_env(env, callback=callback)
+    return SignalTrap(tuple(signals), lead_time=leave_budget, callback=callback)

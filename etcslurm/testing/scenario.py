@@ -6,7 +6,7 @@ node (``worker.signal`` + ``leave``), publishes the next generation and emits th
 migration progress a real runtime would, then trains on.  Only the numbers are made up.
 Used by the monitor tests (incl. the tmux test) and for the docs' screen captures::
 
-    python -m etcslurm.monitor.scenario --redis URL --run demo-resize [--speed 1]
+    python -m etcslurm.testing.scenario --redis URL --run demo-resize [--speed 1]
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 from etcslurm.coord.client import CoordClient, connect
 from etcslurm.coord.coordinator import Coordinator
+from etcslurm.coord.records import Assignment, GenerationRecord
+from etcslurm.core.layout import ParallelConfig
 
 
 @dataclass
@@ -75,11 +77,8 @@ class Scenario:
             handles.append(h)
         lead = handles[0]
         before = f"tp{tp}pp{pp}dp{dp}"
-        lead.publish_generation({
-            "generation": 0, "layout": before, "world": world,
-            "members": [h.worker_id for h in handles],
-            "assignment": self._assignment(handles, self.before),
-        })
+        lead.publish_generation(self._record(0, "start", 0, None, before, handles, handles,
+                                             leaving=(), reason="start"))
         for rank, h in enumerate(handles):
             h.set_state("active", rank=rank, generation=0)
         step = 0
@@ -98,12 +97,9 @@ class Scenario:
         stay = handles[: world - self.per_node]
         atp, app, adp = self.after
         after = f"tp{atp}pp{app}dp{adp}"
-        lead.publish_generation({
-            "generation": 1, "layout": after, "from": before, "world": len(stay),
-            "members": [h.worker_id for h in stay],
-            "assignment": self._assignment(stay, self.after),
-            "leaving": [h.worker_id for h in leavers], "joining": [],
-        })
+        lead.publish_generation(self._record(
+            1, "resize", step, before, after, stay, handles,
+            leaving=tuple(h.worker_id for h in leavers), reason="preempted"))
         self._migrate(stay, gen=1)
         for h in leavers:
             h.close()  # gone
@@ -116,21 +112,29 @@ class Scenario:
         self._gate("end")
         if self.end:
             lead.emit("run.end", reason="finished", step=step)
-            lead.set_status({"phase": "ended", "step": step, "gen": 1})
 
-    def _assignment(self, hs: list[Coordinator], layout: tuple[int, int, int]) -> list[dict]:
-        tp, _pp, dp = layout
-        return [
-            {"rank": r, "worker": h.worker_id, "node": h.info["node"],
-             "tp": r % tp, "pp": r // (tp * dp), "dp": (r // tp) % dp}
-            for r, h in enumerate(hs)
-        ]
+    def _record(self, gen: int, kind: str, step: int, before: str | None, layout: str,
+                world: list[Coordinator], union: list[Coordinator], leaving: tuple[str, ...],
+                reason: str) -> GenerationRecord:
+        cfg = ParallelConfig.parse(layout)
+        tp, dp = cfg.tp, cfg.dp
+        assignment = tuple(
+            Assignment(rank=r, worker=h.worker_id, node=h.info["node"],
+                       tp=r % tp, pp=r // (tp * dp), dp=(r // tp) % dp)
+            for r, h in enumerate(world))
+        return GenerationRecord(
+            generation=gen, kind=kind, step=step, from_layout=before, to_layout=layout,
+            world=len(world), assignment=assignment,
+            old_world=None if before is None else tuple(h.worker_id for h in union),
+            union=tuple(h.worker_id for h in union), leaving=leaving, joining=(), dead=(),
+            idle=(), nodes={h.worker_id: h.info["node"] for h in union},
+            planner_ids={h.worker_id: str(r) for r, h in enumerate(union)}, scalars={},
+            reason=reason)
 
     def _step(self, lead: Coordinator, gen: int, step: int) -> None:
         loss = 6.0 * math.exp(-step / 20) + 0.05 * (step % 3)
         tps = 3100.0 * (1.0 if gen == 0 else 2 / 3)
         lead.emit("step", gen=gen, step=step, loss=round(loss, 4), tokens_per_s=tps)
-        lead.set_status({"phase": "training", "step": step, "gen": gen, "tokens_per_s": tps})
 
     def _migrate(self, stay: list[Coordinator], gen: int) -> None:
         t0 = time.time()

@@ -1,7 +1,7 @@
 """Multi-process checks of the adapter and the checkpoint baseline (one process per rank).
 
 Why a module and not test code: the tests and the benchmarks start real processes
-(``python -m etcslurm.megatron.selftest ...``, one per rank, gloo over a ``TCPStore``) and
+(``python -m etcslurm.testing.megatron_selftest ...``, one per rank, gloo over a ``TCPStore``) and
 read the JSON rank 0 writes; the same scenarios measure build and checkpoint times on a
 ~100M-parameter GPT.
 
@@ -215,15 +215,13 @@ def launch(
     port = free_port()
     out = workdir / "result.json"
     procs: list[tuple[subprocess.Popen, Path]] = []
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", ETCSLURM_SELFTEST=str(workdir)
-    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for rank in range(world):
         log = workdir / f"rank{rank}.log"
         cmd = [
             sys.executable,
             "-m",
-            "etcslurm.megatron.selftest",
+            "etcslurm.testing.megatron_selftest",
             scenario,
             "--rank",
             str(rank),
@@ -271,7 +269,7 @@ def launch(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m etcslurm.megatron.selftest")
+    parser = argparse.ArgumentParser(prog="python -m etcslurm.testing.megatron_selftest")
     parser.add_argument("scenario", choices=["migrate", "rebuild", "selfcopy"])
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)

@@ -1,9 +1,10 @@
 """Synthetic-tensor workers: the executor and process groups without megatron.
 
 Used by the executor tests (correctness, checksum detection, timeouts, ten migrations in
-a row without leaks) and by the benchmark's pairwise-bandwidth measurement.  Each global
-tensor's values are a deterministic function of its key, so every rank can check what it
-received without anyone sending the expected values.
+a row without leaks), the fault matrix's corrupted-message row and
+``benchmarks/receive_memory.py``.  Each global tensor's values are a deterministic
+function of its key, so every rank can check what it received without anyone sending
+the expected values.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from etcslurm.bench.worker import WorkerContext
 from etcslurm.core.state import Piece
 from etcslurm.errors import EtcslurmError
 from etcslurm.groups import lifecycle as groups
+from etcslurm.testing.faults import CorruptOnce
 from etcslurm.transfer.executor import execute, staging_bytes_per_round
 
 
@@ -143,15 +145,11 @@ def executor_selftest(ctx: WorkerContext) -> dict[str, Any]:
         groups.configure(ctx.store, gen, me, n, "gloo", timeout=30)
         gen += 1
         held, needed = _holdings(me, n)
-
-        def corrupt(msg: Any, buffers: list[torch.Tensor]) -> None:
-            if me == 1 and msg.src == "0":
-                buffers[-1][3] ^= 0x10
-
+        hooks = CorruptOnce(src="0", dst="1", offset=3, mask=0x10)
         extra = {} if direct_min is None else {"direct_min": direct_min}
         try:
             execute(messages, local[dev], dev, ranks, held, needed, timeout=30,
-                    corrupt=corrupt, **extra)
+                    hooks=hooks, **extra)
             out[name] = None
         except EtcslurmError as exc:
             out[name] = f"{type(exc).__name__}: {exc}"
@@ -192,26 +190,6 @@ def executor_selftest(ctx: WorkerContext) -> dict[str, Any]:
         groups.close_exchange_group(xg)
         out.setdefault("exchange_usage", []).append(groups.resource_usage())
     return out
-
-
-def bandwidth(ctx: WorkerContext) -> dict[str, Any]:
-    """Pairwise bandwidth 0 <-> 1 with one buffer of ``mbytes`` (best of ``repeat``)."""
-    me = ctx.index
-    mbytes = int(ctx.config.get("mbytes", 256))
-    groups.configure(ctx.store, int(ctx.config.get("generation", 0)), me, ctx.nprocs, timeout=60)
-    buf = torch.ones(mbytes << 20, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(int(ctx.config.get("repeat", 3))):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if me == 0:
-            dist.send(buf, 1)
-        elif me == 1:
-            dist.recv(buf, 0)
-        dist.barrier()
-        best = min(best, time.perf_counter() - t0)
-    groups.teardown()
-    return {"bytes": buf.numel(), "seconds": best, "gbps": buf.numel() / best / 1e9}
 
 
 def receive_memory(ctx: WorkerContext) -> dict[str, Any]:

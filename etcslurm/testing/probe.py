@@ -1,4 +1,4 @@
-"""``python -m etcslurm.slurm.probe --out DIR``: a tiny worker that proves the Slurm seams.
+"""``python -m etcslurm.testing.probe --out DIR``: a tiny worker that proves the Slurm seams.
 
 It stands in for the training worker in the Slurm tests and for users checking a
 cluster: it writes what it sees (``SlurmEnvironment``, whether the coordinator answers)
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from etcslurm.slurm.environment import SlurmEnvironment
-from etcslurm.slurm.signals import SignalEvent, SignalTrap
+from etcslurm.job.environment import SlurmEnvironment
+from etcslurm.job.signals import SignalEvent, SignalTrap
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -52,7 +52,7 @@ def ping(url: str | None) -> bool | str:
 
 def submitit_report() -> dict[str, Any]:
     """Submitit target: what the task sees (environment + trap configuration)."""
-    from etcslurm.slurm.signals import installed
+    from etcslurm.job.signals import installed
 
     env = SlurmEnvironment.from_env()
     info = describe(env)
@@ -69,7 +69,7 @@ def submitit_until_signal(timeout: float = 300.0) -> dict[str, Any]:
     On the requeued run (``ETCSLURM_CHECKPOINTS`` > 0) it returns at once with what it saw.
     """
     from etcslurm.errors import WaitTimeout
-    from etcslurm.slurm.signals import installed
+    from etcslurm.job.signals import installed
 
     info = submitit_report()
     if info["checkpoints"] > 0:
@@ -84,7 +84,7 @@ def submitit_until_signal(timeout: float = 300.0) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m etcslurm.slurm.probe")
+    p = argparse.ArgumentParser(prog="python -m etcslurm.testing.probe")
     p.add_argument("--out", required=True, help="directory for the JSON reports")
     p.add_argument("--duration", type=float, default=600, help="exit after this many seconds")
     p.add_argument("--linger", type=float, default=1.0, help="seconds to stay after a signal")

@@ -1,0 +1,108 @@
+"""What a worker needs to take part in a run: run-wide settings apart from its own options.
+
+:class:`RunSettings` is the same on every worker of a run: the first worker stores it in
+the coordinator and a joiner whose settings differ is refused (``SpecMismatch``), because
+every rank replays the same layout decisions and plans from them.  :class:`WorkerOptions`
+are this worker's own (where the coordinator is, timeouts, its node, its run directory)
+and may differ from worker to worker.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.models import GPTSpec
+from etcslurm.errors import UsageError
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Run-wide settings: model, optimizer, batch, seed, steps, how layouts are chosen.
+
+    ``staging_bytes`` bounds a round's send + receive staging memory; it shapes the plan
+    (message sizes, rounds), so it is run-wide too.
+    """
+
+    model: GPTSpec
+    optimizer: str = "adam"
+    global_batch: int = 12
+    micro_batch: int = 1
+    seed: int = 1234
+    steps: int = 60
+    lr: float = 1e-3
+    initial_workers: int = 1
+    gpus_per_node: int = 8
+    staging_bytes: int = 512 * 2**20
+
+    def to_json(self) -> dict[str, Any]:
+        """The run spec stored in the coordinator (JSON)."""
+        return {
+            "model": self.model.to_json(),
+            "optimizer": self.optimizer,
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "seed": self.seed,
+            "steps": self.steps,
+            "lr": self.lr,
+            "initial_workers": self.initial_workers,
+            "gpus_per_node": self.gpus_per_node,
+            "staging_bytes": self.staging_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, spec: dict[str, Any]) -> RunSettings:
+        """The settings a run spec read from the coordinator describes."""
+        try:
+            return cls(
+                model=GPTSpec.from_json(spec["model"]),
+                optimizer=str(spec["optimizer"]),
+                global_batch=int(spec["global_batch"]),
+                micro_batch=int(spec["micro_batch"]),
+                seed=int(spec["seed"]),
+                steps=int(spec["steps"]),
+                lr=float(spec["lr"]),
+                initial_workers=int(spec["initial_workers"]),
+                gpus_per_node=int(spec["gpus_per_node"]),
+                staging_bytes=int(spec.get("staging_bytes", 512 * 2**20)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UsageError(f"the run spec in the coordinator is malformed: {exc!r}") from None
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """This worker's own options (may differ between workers of one run)."""
+
+    run_id: str
+    redis_url: str
+    password_file: str | None = None
+    node: str = field(default_factory=socket.gethostname)
+    run_dir: str = "."
+    heartbeat_interval: float = 1.0
+    dead_after: float = 10.0  # heartbeat TTL: a SIGKILLed worker is noticed within this
+    collective_timeout: float = 10.0  # a collective stuck on a dead peer fails after this
+    join_timeout: float = 600.0  # how long a joiner waits for a generation to take it
+    decide_timeout: float = 120.0  # how long the world waits for the next generation record
+    checkpoint_dir: str | None = None  # where a whole-run preemption writes its checkpoint
+    signals: tuple[str, ...] = ("USR2", "TERM")
+    leave_budget: float = 60.0  # seconds a signalled worker assumes it has, when unknown
+    log_data: bool = True  # one JSON line per step and DP rank: which samples it trained
+    min_step_seconds: float = 0.0  # pace steps (demos): joiners get time to arrive
+
+
+#: ``build(model, layout, settings)`` → the rank's model chunks, optimizer and scheduler
+#: (a :class:`etcslurm.megatron.model.Trainee`), for a world whose ``parallel_state`` is ready
+Builder = Callable[[GPTSpec, ParallelConfig, RunSettings], Any]
+
+
+def default_builder(model: GPTSpec, layout: ParallelConfig, settings: RunSettings) -> Any:
+    """etcslurm's megatron-core GPT with the run's optimizer."""
+    from etcslurm.megatron.adapter import TrainHyper, build_gpt
+
+    hyper = TrainHyper(lr=settings.lr, global_batch=settings.global_batch,
+                       micro_batch=settings.micro_batch)
+    return build_gpt(model, layout, optimizer=settings.optimizer, seed=settings.seed, hyper=hyper)

@@ -1,0 +1,267 @@
+"""The one migration sequence: new world and model first, exchange, fill, commit.
+
+Both the runtime (a resize) and ``etcslurm bench migrate`` run :meth:`Migration.run`, so
+the bit-exact tests of the benchmark prove the code that runs in production.  The phases,
+in order, on every participant (old members and joiners):
+
+1. ``build``: a member of the new layout forms the new world and builds the (empty)
+   model and optimizer of its layout; a leaver (or an idle worker) tears its world down
+   and keeps only its old model's tensors, still readable.
+2. ``group``: the exchange group over old members + joiners, outside the new world
+   (megatron-core modules keep the groups they were built in, and the new world does not
+   contain leavers).  Members arrive once their model is built, so its timeout includes
+   the longest build seen.
+3. ``plan``: every participant computes (replays) the same deterministic plan.
+4. ``prepare``: the live pieces must be what the plan assumed (old and new: the holdings
+   check), the staging arena is sized, and a plan that would leave part of the new model
+   unwritten is refused before anything moves.
+5. ``exchange``: local copies and the coalesced, checksummed P2P messages, straight into
+   the new model.
+6. ``commit``: the new model gets the replicated scalars (Adam step, scheduler, counters)
+   and the new world passes a barrier: past it every new member is complete.
+
+A peer lost in ``build``, ``group``, ``exchange`` or ``commit`` raises :class:`PeerLost`
+(the old model is untouched: the caller can fall back to it); anything else (a plan that
+does not match the state) is a bug and propagates as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.planner import MigrationPlan
+from etcslurm.core.state import Piece
+from etcslurm.errors import MigrationError, WaitTimeout
+from etcslurm.groups import lifecycle as groups
+from etcslurm.hooks import NO_HOOKS, Hooks
+from etcslurm.transfer.executor import (
+    DIRECT_MIN_BYTES,
+    TransferStats,
+    check_fills,
+    execute,
+    staging_arena,
+)
+
+PHASES = ("build", "group", "plan", "prepare", "exchange", "commit")
+
+#: the failures of a peer (death, timeout) as torch.distributed and our waits report them
+PEER_FAILURES = (RuntimeError, dist.DistError, WaitTimeout)
+
+
+class PeerLost(MigrationError):
+    """A peer failed during phase ``phase``; the old state is intact (nothing committed)."""
+
+    def __init__(self, phase: str, cause: BaseException) -> None:
+        super().__init__(f"{phase}: {str(cause)[:300]}")
+        self.phase = phase
+        self.cause = cause
+
+
+@dataclass
+class MigrationJob:
+    """One participant's part in one migration.
+
+    ``me``: the id the planner knows this participant by (old rank, or ``join:k``);
+    ``members``: the planner ids of every participant in exchange-group order.
+    ``held``: (piece, view) of the old state this participant holds (read while the old
+    ``parallel_state`` still existed), ``scalars``: the replicated scalars to restore in
+    the new model.  ``expected``: the pieces the plan assumes a rank of a layout holds
+    (the holdings check); ``None`` skips it.
+    """
+
+    generation: int
+    me: str
+    members: list[str]
+    new_rank: int | None
+    layout: ParallelConfig
+    held: list[tuple[Piece, torch.Tensor]]
+    scalars: dict[str, Any] | None
+    plan: Callable[[], MigrationPlan]
+    old: tuple[ParallelConfig, int] | None = None
+    expected: Callable[[ParallelConfig, int], Iterable[Piece]] | None = None
+
+
+@dataclass
+class MigrationResult:
+    """What a migration produced on this participant."""
+
+    trainee: Any | None  # the new model (None on a leaver or idle worker)
+    plan: MigrationPlan
+    stats: TransferStats
+    seconds: dict[str, list[float]] = field(default_factory=dict)  # per phase (repeats)
+
+    def phase(self, name: str) -> float:
+        """Seconds of ``name`` (summed over repeats)."""
+        return sum(self.seconds.get(name, []))
+
+
+class PhaseClock:
+    """Times the phases on this participant.  The benchmark subclasses it to time each
+    phase as the slowest participant's (an all-reduce before and after)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, list[float]] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str, migration: Migration) -> Iterator[None]:
+        del migration
+        t0 = time.perf_counter()
+        yield
+        self.seconds.setdefault(name, []).append(time.perf_counter() - t0)
+
+
+class Migration:
+    """Runs the phases of one :class:`MigrationJob` in order (see the module docstring).
+
+    ``form_and_build(generation, layout, rank)`` starts the new world and returns the
+    built model; ``store`` is the long-lived store exchange groups form on.
+    ``arena``: the staging arena kept from the previous migration (resident memory).
+    """
+
+    def __init__(
+        self,
+        job: MigrationJob,
+        *,
+        store: dist.Store,
+        form_and_build: Callable[[int, ParallelConfig, int], Any],
+        staging_cap: int | None,
+        timeout: float,
+        group_timeout: float,
+        arena: torch.Tensor | None = None,
+        hooks: Hooks = NO_HOOKS,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+        direct_min: int = DIRECT_MIN_BYTES,
+        clock: PhaseClock | None = None,
+    ) -> None:
+        self.job = job
+        self.store = store
+        self.form_and_build = form_and_build
+        self.staging_cap = staging_cap
+        self.timeout = timeout
+        self.group_timeout = group_timeout
+        self.arena = arena
+        self.hooks = hooks
+        self.progress = progress
+        self.direct_min = direct_min
+        self.clock = clock or PhaseClock()
+        self.trainee: Any = None
+        self.group: Any = None
+        self.plan: MigrationPlan | None = None
+        self.local: list[Piece] = []
+        self.needed: list[tuple[Piece, torch.Tensor]] = []
+
+    @property
+    def ranks(self) -> dict[str, int]:
+        """Planner id → rank in the exchange group."""
+        return {d: i for i, d in enumerate(self.job.members)}
+
+    def run(self, repeat: int = 1,
+            before_exchange: Callable[[Migration], None] | None = None) -> MigrationResult:
+        """All phases in order.  ``repeat`` runs the exchange that many times (benchmarks);
+        ``before_exchange`` is called once the plan is prepared (benchmarks measure the
+        transport's floor there)."""
+        job, clock = self.job, self.clock
+        with clock.phase("build", self), _peer_phase("build"):
+            if job.new_rank is None:
+                groups.teardown()  # a leaver (or idle): it only needs the exchange group
+            else:
+                self.trainee = self.form_and_build(job.generation, job.layout, job.new_rank)
+        try:
+            with _peer_phase("group"):
+                self.group = groups.exchange_group(
+                    self.store, job.generation, job.members.index(job.me), len(job.members),
+                    timeout=self.group_timeout)
+            with clock.phase("plan", self):
+                self.plan = job.plan()
+            with clock.phase("prepare", self):
+                self._prepare()
+            if before_exchange is not None:
+                before_exchange(self)
+            stats = None
+            for _ in range(max(1, repeat)):
+                with clock.phase("exchange", self), _peer_phase("exchange", MigrationError):
+                    stats = self._exchange()
+        finally:
+            groups.close_exchange_group(self.group)
+            self.group = None
+        with clock.phase("commit", self), _peer_phase("commit"):
+            self._commit()
+        assert stats is not None and self.plan is not None
+        return MigrationResult(self.trainee, self.plan, stats, dict(clock.seconds))
+
+    # ------------------------------------------------------------------ phases
+    def _prepare(self) -> None:
+        from etcslurm.megatron.sharded_meta import local_state
+
+        job, plan = self.job, self.plan
+        assert plan is not None
+        if job.expected is not None and job.old is not None:
+            check_holdings([p for p, _ in job.held], job.expected(*job.old), "old", job.old)
+        self.needed = local_state(self.trainee).items() if self.trainee is not None else []
+        if job.expected is not None and job.new_rank is not None:
+            new = (job.layout, job.new_rank)
+            check_holdings([p for p, _ in self.needed], job.expected(*new), "new", new)
+        self.local = list(plan.local.get(job.me, [])) if job.new_rank is not None else []
+        self.arena = staging_arena(plan.messages, job.me, self.arena, direct_min=self.direct_min,
+                                   held=job.held, needed=self.needed)
+        # a plan that misses part of the new model is a bug, not a failure to fall back from
+        check_fills(self.needed, self.local, plan.messages, job.me,
+                    f"generation {job.generation}, rank {job.new_rank}")
+
+    def _exchange(self) -> TransferStats:
+        job, plan = self.job, self.plan
+        assert plan is not None
+
+        def progress(info: dict[str, Any]) -> None:
+            if self.progress is not None:
+                self.progress(info)
+            if "round_index" in info:
+                self.hooks.after_round(job.generation, int(info["round_index"]))
+
+        return execute(
+            plan.messages, self.local, job.me, self.ranks, job.held, self.needed,
+            staging_cap=self.staging_cap, timeout=self.timeout, group=self.group,
+            arena=self.arena, direct_min=self.direct_min, progress=progress, hooks=self.hooks,
+        )
+
+    def _commit(self) -> None:
+        from etcslurm.megatron.adapter import finish_restore
+
+        if self.trainee is None:
+            return
+        if self.job.scalars is not None:
+            finish_restore(self.trainee, self.job.scalars)
+        dist.barrier()  # past it, every new member is complete
+
+
+@contextlib.contextmanager
+def _peer_phase(phase: str, *also: type[BaseException]) -> Iterator[None]:
+    """Turn a peer's failure inside ``phase`` into :class:`PeerLost`."""
+    try:
+        yield
+    except PeerLost:
+        raise
+    except (*PEER_FAILURES, *also) as exc:
+        raise PeerLost(phase, exc) from exc
+
+
+def check_holdings(live: list[Piece], expected: Iterable[Piece], what: str,
+                   where: tuple[ParallelConfig, int]) -> None:
+    """The live pieces of a rank must be the ones the plan assumed (else the plan is wrong
+    for this model: refuse before anything moves)."""
+    planned, got = set(expected), set(live)
+    if planned != got:
+        extra = sorted(got - planned)[:2]
+        lacking = sorted(planned - got)[:2]
+        raise MigrationError(
+            f"{what} layout {where[0]} rank {where[1]}: live state differs from the planned "
+            f"state (live only: {extra}; planned only: {lacking})"
+        )

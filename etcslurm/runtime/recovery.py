@@ -1,0 +1,66 @@
+"""Recovery: a collective failed (a peer probably died), or a change failed before its
+commit.  A transition of the state machine (see :mod:`etcslurm.runtime.machine`).
+
+Failure model: a step is atomic (the loss is reduced before the optimizer update and
+nothing communicates after it), so a peer that dies inside a step leaves every survivor
+at the start of that step; a change that fails before its commit leaves every old member
+with the previous generation's state intact (the exchange wrote only into the new
+model).  Either way the next generation is planned from that state without the dead,
+and the step is redone.  If no replica holds some piece, the decider publishes a
+``stop`` and every survivor stops with :class:`~etcslurm.errors.StateLostError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from etcslurm.coord.coordinator import GONE
+from etcslurm.errors import EtcslurmError, WaitTimeout
+from etcslurm.runtime.machine import Context, Phase, State
+from etcslurm.runtime.transitions import publish_next
+
+log = logging.getLogger("etcslurm.runtime")
+
+
+def recover(ctx: Context, state: State) -> State:
+    """Find the dead, let the first surviving member publish the next generation without
+    them, and follow it.  ``state.failed``: the change that broke off, if any (its
+    ``union`` are the suspects; else the whole world is)."""
+    assert ctx.record is not None
+    coord, opts, exc = ctx.coord, ctx.options, state.error
+    current = (state.failed or ctx.record).generation
+    log.warning("step failed on %s (%s); recovering", ctx.worker_id, str(exc)[:200])
+    ctx.change_started = time.perf_counter()
+    ctx.holdings()  # read while this layout's parallel_state is still there
+    ctx.world.abort()
+    if state.failed is None:  # a change that failed has said so already
+        coord.emit("error", worker=ctx.worker_id, message=f"collective failed: {str(exc)[:200]}")
+    world = ctx.record.workers_by_rank()
+    suspects = list(state.failed.union) if state.failed is not None else world
+    window = opts.dead_after * 2 + opts.collective_timeout
+    deadline = time.monotonic() + window
+    while time.monotonic() < deadline:
+        # beat from here too: a heartbeat thread starved while the groups were torn
+        # down must not let a live survivor look dead to the one deciding
+        with contextlib.suppress(EtcslurmError):
+            coord.beat(deadline=0)
+        latest = coord.current_generation()
+        if latest is not None and latest.generation > current:
+            return State(Phase.FOLLOW, record=latest)
+        members = coord.members()
+        dead = [w for w in suspects if not members.get(w, {}).get("alive")
+                or members.get(w, {}).get("state") == GONE]
+        alive_world = [w for w in world if w not in dead]
+        if dead and alive_world and alive_world[0] == ctx.worker_id:
+            for w in dead:
+                coord.mark_gone(w, "heartbeat lost")
+            publish_next(ctx, reason=f"recover: {', '.join(dead)} died",
+                         extra_dead=tuple(w for w in dead if w in world))
+            continue
+        time.sleep(0.2)
+    raise WaitTimeout(
+        f"worker {ctx.worker_id}: a step failed ({str(exc)[:120]}) but no peer was found "
+        f"dead and no new generation came within {window:g} s"
+    )

@@ -1,0 +1,346 @@
+"""The transitions of the session's state machine (see :mod:`etcslurm.runtime.machine`).
+
+Each function does one small thing and returns the next :class:`State`; none calls
+another transition.  They talk to the coordinator through ``ctx.coord`` and to
+torch.distributed / megatron-core only through ``ctx.world``, so unit tests drive them
+with fakes (``tests/test_runtime_transitions.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+from etcslurm.coord.coordinator import ACTIVE, JOINING
+from etcslurm.coord.records import GenerationRecord
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.planner import MigrationPlan
+from etcslurm.errors import MigrationError, StateLostError, WaitTimeout
+from etcslurm.runtime import checkpointing
+from etcslurm.runtime.generation import (
+    check_request,
+    first_generation,
+    next_generation,
+    plan_inputs,
+)
+from etcslurm.runtime.machine import Context, MigrationReport, Phase, State
+from etcslurm.runtime.migration import MigrationJob, PeerLost
+
+log = logging.getLogger("etcslurm.runtime")
+
+#: how often waiting workers look at the coordinator again
+POLL_S = 0.05
+
+
+# ---------------------------------------------------------------------- joining
+def start(ctx: Context, state: State) -> State:
+    """Just registered: a new run (or one restarted from a whole-run checkpoint) forms
+    its first generation; a running one is joined at a later boundary."""
+    del state
+    current = ctx.coord.current_generation()
+    if current is None or current.kind == "checkpoint":
+        return State(Phase.FIRST, record=current)
+    return State(Phase.WAIT, after=current.generation - 1)
+
+
+def first(ctx: Context, state: State) -> State:
+    """Initial workers: the leader publishes generation 0 once ``initial_workers`` have
+    registered.  ``state.record``: the ``checkpoint`` record a previous job of this run
+    ended with (a requeued restart): the start record then follows it in number and
+    resumes from the checkpoint."""
+    coord, settings = ctx.coord, ctx.settings
+    base = -1 if state.record is None else state.record.generation
+    deadline = time.monotonic() + ctx.options.join_timeout
+    while True:
+        current = coord.current_generation()
+        if current is not None and current.generation > base:
+            break
+        # only workers not yet in any world: after a whole-run checkpoint the previous
+        # job's workers may still be alive (leaving) while the restarted ones register
+        live = {w: i for w, i in coord.live_members().items() if i["state"] == JOINING}
+        if coord.is_leader() and len(live) >= settings.initial_workers:
+            workers = list(live)[: settings.initial_workers]
+            nodes = {w: str(i.get("node") or "?") for w, i in live.items()}
+            record = replace(first_generation(layout_settings(ctx), workers, nodes),
+                             generation=base + 1)
+            resume = checkpointing.pointer(ctx.options)
+            if resume:
+                record = replace(record, resume=resume["path"], step=int(resume.get("step", 0)),
+                                 reason=f"resume from {resume['path']}; {record.reason}")
+            if coord.publish_generation(record):
+                continue
+        if time.monotonic() > deadline:
+            raise WaitTimeout(
+                f"run {ctx.options.run_id}: only {len(live)} of {settings.initial_workers} "
+                f"initial workers registered within {ctx.options.join_timeout:g} s"
+            )
+        time.sleep(POLL_S)
+    if ctx.worker_id in current.union:
+        return State(Phase.FOLLOW, record=current)
+    return State(Phase.WAIT, after=current.generation)
+
+
+def wait(ctx: Context, state: State) -> State:
+    """A joiner (or an idle standby) waits until a generation takes it in."""
+    end = time.monotonic() + ctx.options.join_timeout
+    after = state.after
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            raise WaitTimeout(
+                f"worker {ctx.worker_id} was not taken into run {ctx.options.run_id} "
+                f"within {ctx.options.join_timeout:g} s"
+            )
+        if ctx.boundary.signalled:
+            return State(Phase.LEFT, reason="signalled while waiting to join")
+        try:
+            record = ctx.coord.wait_generation(after=after, timeout=min(left, 1.0))
+        except WaitTimeout:
+            continue
+        after = record.generation
+        if record.kind in ("stop", "end"):
+            return State(Phase.LEFT, reason=f"the run ended: {record.reason}")
+        if ctx.worker_id in record.union:
+            return State(Phase.FOLLOW, record=record)
+
+
+# ---------------------------------------------------------------------- changing
+def decide(ctx: Context, state: State) -> State:
+    """Everyone at a boundary that changes the world: the decider publishes the next
+    generation, all wait for it."""
+    del state
+    assert ctx.record is not None
+    ctx.change_started = ctx.boundary.signal_at or time.perf_counter()
+    if ctx.boundary.decider(ctx.record) == ctx.worker_id:
+        publish_next(ctx, reason="resize at step boundary")
+    record = ctx.coord.wait_generation(after=ctx.record.generation,
+                                       timeout=ctx.options.decide_timeout)
+    return State(Phase.FOLLOW, record=record)
+
+
+def follow(ctx: Context, state: State) -> State:
+    """What a new generation record asks of this worker."""
+    record = state.record
+    assert record is not None
+    if ctx.worker_id not in record.union and ctx.record is not None:
+        log.warning("generation %s no longer includes %s (it was taken for dead)",
+                    record.generation, ctx.worker_id)
+        return State(Phase.LEFT, reason="evicted")
+    if record.kind == "stop":
+        raise StateLostError(f"run {ctx.options.run_id} stopped: {record.reason}")
+    phase = {"checkpoint": Phase.CHECKPOINT, "start": Phase.ENTER}.get(record.kind, Phase.RESIZE)
+    return State(phase, record=record)
+
+
+def enter(ctx: Context, state: State) -> State:
+    """A start record: form the first world (resuming a checkpoint if it names one)."""
+    record = state.record
+    assert record is not None
+    t0 = time.perf_counter()
+    rank = record.rank_of(ctx.worker_id)
+    if rank is None:  # idle at start: wait to be taken in later
+        return State(Phase.WAIT, after=record.generation)
+    ctx.rank = rank
+    ctx.trainee = ctx.world.form_and_build(record.generation, ParallelConfig.parse(record.to_layout),
+                                           rank)
+    if record.resume:
+        ctx.world.load_checkpoint(ctx.trainee, record.resume)
+    ctx.record = record
+    ctx.coord.set_state(ACTIVE, rank=rank, generation=record.generation)
+    ctx.reports.append(MigrationReport(record.generation, "start", None, record.to_layout,
+                                       seconds=time.perf_counter() - t0))
+    return State(Phase.ACTIVE)
+
+
+def resize(ctx: Context, state: State) -> State:
+    """Migrate into the generation ``state.record``: the one migration sequence (new world
+    and model, exchange, fill, commit); a peer lost before the commit falls back."""
+    record = state.record
+    assert record is not None
+    gen, coord, t0 = record.generation, ctx.coord, time.perf_counter()
+    migration_plan = replay_plan(ctx, record)  # before anything: a mismatch is a bug
+    ids = record.planner_ids
+    me, new_rank = ids[ctx.worker_id], record.rank_of(ctx.worker_id)
+    held, _ = ctx.holdings()  # the old model stays readable through these until the commit
+    old = None
+    if ctx.record is not None and ctx.rank is not None:
+        old = (ParallelConfig.parse(ctx.record.to_layout), ctx.rank)
+    job = MigrationJob(
+        generation=gen, me=me, members=[ids[w] for w in record.union], new_rank=new_rank,
+        layout=ParallelConfig.parse(record.to_layout), held=held,
+        scalars=dict(record.scalars) if new_rank is not None else None,
+        plan=lambda: migration_plan, old=old, expected=ctx.world.expected_pieces,
+    )
+    progress = _progress_emitter(ctx, migration_plan, me, gen, new_rank)
+    if new_rank is not None:
+        coord.emit("migration.rebuild", gen=gen, worker=ctx.worker_id, rank=new_rank)
+    progress({})
+    try:
+        result = ctx.world.migrate(job, progress)
+    except PeerLost as exc:
+        ctx.world.abort()
+        coord.emit("error", worker=ctx.worker_id,
+                   message=f"migration to generation {gen} failed in {exc.phase}: "
+                           f"{str(exc.cause)[:160]}")
+        if ctx.record is None:  # a joiner holds nothing: wait to be taken in again
+            return State(Phase.WAIT, after=gen)
+        return State(Phase.RECOVER, error=exc, failed=record)
+    if new_rank is None:
+        return State(Phase.HANDED_OVER, record=record)
+    old_layout = ctx.record.to_layout if ctx.record is not None else record.from_layout
+    ctx.trainee, ctx.rank, ctx.record = result.trainee, new_rank, record
+    ctx.forget_holdings()
+    coord.set_state(ACTIVE, rank=new_rank, generation=gen)
+    if new_rank == 0:  # past the new world's barrier: every member is complete
+        coord.commit_generation(gen)
+    stats, plan_stats = result.stats, result.plan.stats
+    report = MigrationReport(
+        gen, "resize", old_layout, record.to_layout, seconds=time.perf_counter() - t0,
+        transfer_seconds=result.phase("exchange"),
+        rebuild_seconds=result.phase("build") + result.phase("commit"),
+        moved_bytes=int(plan_stats.get("moved_bytes", 0)),
+        local_bytes=int(plan_stats.get("local_bytes", 0)),
+        sent_bytes=stats.bytes_sent, received_bytes=stats.bytes_received,
+    )
+    if ctx.change_started is not None:
+        report.pause_seconds = time.perf_counter() - ctx.change_started
+    ctx.reports.append(report)
+    if new_rank == 0:
+        coord.emit("migration.done", gen=gen, seconds=report.seconds,
+                   moved_bytes=report.moved_bytes, local_bytes=report.local_bytes,
+                   checkpoint_bytes=0, pause_seconds=report.pause_seconds,
+                   transfer_seconds=report.transfer_seconds,
+                   rebuild_seconds=report.rebuild_seconds,
+                   **{"from": old_layout, "to": record.to_layout})
+    ctx.change_started = None
+    return State(Phase.ACTIVE)
+
+
+def handed_over(ctx: Context, state: State) -> State:
+    """A leaver (or a worker no layout uses now) keeps its state until the new world has
+    committed ``state.record`` (its rank 0 records the commit past the new world's
+    barrier), so that a failed change can be planned again from it.  Bounded by the time
+    a failure takes to show (after that it leaves anyway)."""
+    record = state.record
+    assert record is not None
+    coord, opts = ctx.coord, ctx.options
+    limit = opts.dead_after * 2 + opts.collective_timeout * 2 + 30
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if coord.committed_generation() >= record.generation:
+            break
+        latest = coord.current_generation()
+        if latest is not None and latest.generation > record.generation:
+            if ctx.worker_id in latest.union and latest.kind == "resize":
+                return State(Phase.FOLLOW, record=latest)  # the change failed: again
+            break  # planned without this worker (from the new state): done here
+        time.sleep(0.1)
+    else:
+        log.warning("generation %s was not confirmed within %.0f s; leaving anyway",
+                    record.generation, limit)
+    ctx.forget_holdings()
+    ctx.trainee = None
+    if ctx.worker_id in record.leaving:
+        return State(Phase.LEFT, reason="left")
+    ctx.record = None  # idle: no layout uses this worker now; wait as a standby
+    return State(Phase.WAIT, after=record.generation)
+
+
+def checkpoint(ctx: Context, state: State) -> State:
+    """Nobody survives: every rank of the old world saves a checkpoint, then leaves (and,
+    under Slurm, requeues its job: the restart resumes from the checkpoint)."""
+    record = state.record
+    assert record is not None
+    directory = checkpointing.directory(ctx.options)
+    target = directory / f"step{record.step:08d}"
+    ctx.world.save_checkpoint(ctx.trainee, target)
+    ctx.world.barrier()
+    if ctx.rank == 0:
+        checkpointing.write_pointer(directory, target, record.step, record.from_layout)
+        ctx.coord.emit("run.end", reason="preempted: checkpoint written", step=record.step,
+                       checkpoint=str(target))
+    ctx.world.barrier()  # latest.json exists before any job is requeued (which ends it)
+    checkpointing.requeue_own_job(ctx.coord, ctx.worker_id)
+    return State(Phase.LEFT, reason="checkpointed")
+
+
+# ---------------------------------------------------------------------- helpers
+def layout_settings(ctx: Context) -> Any:
+    """What the layout policy and the planner need of the run settings."""
+    from etcslurm.runtime.generation import RunSettings as LayoutSettings
+
+    s = ctx.settings
+    return LayoutSettings(spec=s.model, optimizer=s.optimizer, global_batch=s.global_batch,
+                          micro_batch=s.micro_batch, gpus_per_node=s.gpus_per_node,
+                          staging_bytes=s.staging_bytes)
+
+
+def replay_plan(ctx: Context, record: GenerationRecord) -> MigrationPlan:
+    """The plan of ``record``, replayed here; it must assign what the decider published."""
+    from etcslurm.core.planner import plan
+
+    migration = plan(plan_inputs(layout_settings(ctx), record))
+    by_id = {v: k for k, v in record.planner_ids.items()}
+    if [by_id[d] for d in migration.assignment] != record.workers_by_rank():
+        raise MigrationError(
+            f"generation {record.generation}: this worker's plan differs from the leader's "
+            "(planner inputs are not deterministic)"
+        )
+    return migration
+
+
+def publish_next(ctx: Context, reason: str, extra_dead: tuple[str, ...] = ()) -> None:
+    """Decide and publish the generation after ``ctx.record`` (the decider only).
+
+    ``extra_dead``: workers proven dead by a failed collective (see
+    :meth:`Boundary.world_view`: at a boundary nobody is taken for dead).
+    """
+    assert ctx.record is not None
+    coord = ctx.coord
+    view = ctx.boundary.world_view(ctx.record)
+    pending = coord.pending_changes()
+    request = pending[-1] if pending else None
+    dead = sorted(extra_dead)
+    if request is not None:
+        problem = check_request(layout_settings(ctx), ctx.record, request,
+                                leaving=view.leaving, dead=dead, ready=view.ready)
+        if problem is not None:  # ignored by next_generation; say why
+            coord.emit("error", worker=ctx.worker_id,
+                       message=f"change request by {request.by} ignored: {problem}")
+    record, migration = next_generation(
+        layout_settings(ctx), ctx.record, leaving=view.leaving, dead=dead,
+        ready=view.ready, nodes=view.nodes, step=ctx.step, scalars=ctx.holdings()[1],
+        reason=reason, request=request,
+    )
+    latest = coord.current_generation()
+    if latest is not None and record.generation <= latest.generation:
+        # after a failed migration the failed record is the latest
+        record = replace(record, generation=latest.generation + 1)
+    if migration is not None:
+        record = replace(record, plan_stats={k: migration.stats.get(k) for k in (
+            "moved_bytes", "local_bytes", "state_bytes", "messages", "rounds",
+            "lower_bound_moved_bytes", "missing_bytes")})
+    if pending:
+        coord.take_changes(len(pending))
+    if coord.publish_generation(record):
+        log.info("published generation %s: %s", record.generation, record.reason)
+
+
+def _progress_emitter(ctx: Context, plan: MigrationPlan, me: str, gen: int,
+                      new_rank: int | None) -> Any:
+    """A progress callback that emits ``migration.progress`` with running totals."""
+    mine = [m for m in plan.messages if me in (m.src, m.dst) and m.src != m.dst]
+    total_send = sum(m.nbytes for m in mine if m.src == me)
+    total_recv = sum(m.nbytes for m in mine if m.dst == me)
+    done = {"sent": 0, "recv": 0}
+
+    def progress(info: dict[str, Any]) -> None:
+        done["sent"] += int(info.get("bytes_sent", 0))
+        done["recv"] += int(info.get("bytes_received", 0))
+        ctx.coord.emit("migration.progress", gen=gen, worker=ctx.worker_id, rank=new_rank,
+                       sent=min(done["sent"], total_send), recv=min(done["recv"], total_recv),
+                       total_send=total_send, total_recv=total_recv)
+
+    return progress

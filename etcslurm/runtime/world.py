@@ -1,0 +1,121 @@
+"""This process's distributed side, as the session's transitions see it.
+
+Everything that touches torch.distributed, megatron-core or the model goes through
+:class:`World`: forming a generation's world and building its model, the step boundary's
+one all-reduce, reading the state a rank holds, running the migration sequence, saving
+and loading checkpoints.  The transitions in :mod:`etcslurm.runtime.transitions` only
+decide; unit tests drive them with a fake world (``tests/fakes.py``) and a fake
+coordinator, the multi-process tests with this one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.state import Piece
+from etcslurm.groups import lifecycle as groups
+from etcslurm.hooks import NO_HOOKS, Hooks
+from etcslurm.runtime.config import Builder, RunSettings, WorkerOptions
+from etcslurm.runtime.migration import Migration, MigrationJob, MigrationResult
+
+
+class World:
+    """torch.distributed worlds, megatron-core ``parallel_state`` and the model built in
+    them, on one long-lived store (one ``PrefixStore`` per generation)."""
+
+    def __init__(self, store: dist.Store, settings: RunSettings, options: WorkerOptions,
+                 build: Builder, hooks: Hooks = NO_HOOKS) -> None:
+        self.store = store
+        self.settings = settings
+        self.options = options
+        self.build = build
+        self.hooks = hooks
+        #: the longest world formation + model build seen: how long the members of an
+        #: exchange group may take to arrive (they build the new model first)
+        self.build_seconds = 0.0
+        #: the staging arena, kept from one migration to the next (resident memory)
+        self.arena: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ worlds
+    def form_and_build(self, generation: int, layout: ParallelConfig, rank: int) -> Any:
+        """Start ``generation``'s world as ``rank`` and build the model of ``layout``."""
+        from etcslurm.megatron.parallel import init_parallel
+
+        self.hooks.before_new_world(generation)
+        t0 = time.perf_counter()
+        init_parallel(layout, rank, layout.world_size, self.store, generation=f"{generation}t",
+                      timeout_s=self.options.collective_timeout)
+        trainee = self.build(self.settings.model, layout, self.settings)
+        self.build_seconds = max(self.build_seconds, time.perf_counter() - t0)
+        return trainee
+
+    def abort(self) -> None:
+        """Drop every process group at once (a peer died, or the worker leaves)."""
+        groups.abort()
+
+    def any(self, flag: bool) -> bool:
+        """The step boundary's vote: whether any rank of the world says yes."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        dist.all_reduce(t)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    # ------------------------------------------------------------------ state
+    def read_state(self, trainee: Any) -> tuple[list[tuple[Piece, torch.Tensor]], dict[str, Any]]:
+        """(views of every piece ``trainee`` holds, its replicated scalars); needs the
+        trainee's ``parallel_state`` to still exist."""
+        from etcslurm.megatron.adapter import local_state
+        from etcslurm.megatron.scalars import extract_scalars
+
+        return local_state(trainee).items(), extract_scalars(trainee)
+
+    def expected_pieces(self, layout: ParallelConfig, rank: int) -> Iterable[Piece]:
+        """The pieces the planner assumes ``rank`` of ``layout`` holds."""
+        from etcslurm.core.gpt_state import rank_pieces
+
+        return rank_pieces(self.settings.model, layout, rank, self.settings.optimizer)
+
+    def migrate(self, job: MigrationJob,
+                progress: Callable[[dict[str, Any]], None] | None = None) -> MigrationResult:
+        """Run the migration sequence for ``job`` (the arena is kept for the next one)."""
+        migration = Migration(
+            job, store=self.store, form_and_build=self.form_and_build,
+            staging_cap=self.settings.staging_bytes, timeout=self.options.collective_timeout,
+            group_timeout=self.options.collective_timeout + 2 * self.build_seconds,
+            arena=self.arena, hooks=self.hooks, progress=progress,
+        )
+        try:
+            return migration.run()
+        finally:
+            self.arena = migration.arena
+
+    def data_position(self) -> tuple[int, int] | None:
+        """(DP size, DP rank) when this rank logs the samples its replica trains (tensor
+        rank 0 of the first pipeline stage), else ``None``."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_tensor_model_parallel_rank() != 0 or not ps.is_pipeline_first_stage():
+            return None
+        return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, trainee: Any, path: Path) -> None:
+        """One synchronous save under a preemption deadline (an async writer would first
+        start a writer process, seconds on a busy node)."""
+        from etcslurm.baseline.checkpoint import CheckpointMigrator
+
+        CheckpointMigrator(async_writer=False).save(trainee, path)
+
+    def load_checkpoint(self, trainee: Any, path: str) -> None:
+        from etcslurm.baseline.checkpoint import load_checkpoint
+
+        load_checkpoint(trainee, path)

@@ -1,0 +1,42 @@
+"""``python -m etcslurm.testing.worker --faults JSON [worker options]``: the runtime worker
+(:mod:`etcslurm.runtime.worker`, same options) with fault hooks built from ``JSON``
+(:func:`etcslurm.testing.faults.hooks_from_json`).
+
+The fault tests start it through the launcher
+(``DemoOptions(worker_module="etcslurm.testing.worker", worker_args=("--faults", ...))``);
+the product never reads test settings itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from etcslurm.errors import EtcslurmError
+from etcslurm.testing.faults import FAULT_KEYS, hooks_from_json
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m etcslurm.testing.worker", add_help=False, allow_abbrev=False,
+        description="The elastic worker with fault hooks (the other options are the "
+                    "runtime worker's: python -m etcslurm.runtime.worker --help).")
+    parser.add_argument("--faults", default="{}",
+                        help=f"JSON object with keys from {', '.join(FAULT_KEYS)}")
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        hooks = hooks_from_json(json.loads(args.faults))
+    except json.JSONDecodeError as exc:
+        sys.stderr.write(f"etcslurm test worker: --faults is not JSON: {exc}\n")
+        return 2
+    except EtcslurmError as exc:
+        sys.stderr.write(f"etcslurm test worker: {exc}\n")
+        return exc.exit_code
+    from etcslurm.runtime.worker import main as worker_main
+
+    return worker_main(rest, hooks=hooks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Unit tests of the session's state machine: each transition alone, on fakes.
+
+A fake coordinator and a fake world (tests/fakes.py) stand in for Redis and
+torch.distributed, so each transition's decision is checked in milliseconds; the layout
+policy and the planner are the real (pure) ones.  The real parts are exercised by the
+multi-process tests (test_runtime_elastic.py, test_faults.py, test_slurm_elastic.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from etcslurm.coord.records import ChangeRequest, GenerationRecord
+from etcslurm.errors import StateLostError
+from etcslurm.runtime import recovery, transitions
+from etcslurm.runtime.generation import end_generation
+from etcslurm.runtime.machine import Phase, State, drive
+from etcslurm.runtime.session import TRANSITIONS
+from tests.fakes import FakeCoordinator, FakeTrainee, context, member
+
+
+def _running(workers: list[str], **coord_kw: object) -> tuple[FakeCoordinator, GenerationRecord]:
+    """A coordinator whose run is in generation 0 with ``workers`` (all active)."""
+    coord = FakeCoordinator({w: member(node=f"n{i // 2}") for i, w in enumerate(workers)},
+                            **coord_kw)
+    ctx = context(workers[0], coord, initial=len(workers))
+    record = transitions.first_generation(transitions.layout_settings(ctx), workers,
+                                          {w: f"n{i // 2}" for i, w in enumerate(workers)})
+    assert coord.publish_generation(record)
+    return coord, record
+
+
+def _member_of(coord: FakeCoordinator, record: GenerationRecord, me: str, **kw: object):
+    """The context of world member ``me`` training in ``record``."""
+    ctx = context(me, coord, initial=len(record.union), **kw)
+    ctx.record, ctx.rank = record, record.rank_of(me)
+    ctx.trainee = FakeTrainee(record.to_layout, ctx.rank or 0, iteration=7)
+    return ctx
+
+
+def test_first_worker_publishes_generation_zero_and_enters() -> None:
+    coord = FakeCoordinator({"w1": member("joining"), "w2": member("joining")})
+    ctx = context("w1", coord, initial=2)
+    final = drive(ctx, State(Phase.START), TRANSITIONS)
+    assert final.phase is Phase.ACTIVE
+    gen0 = coord.records[0]
+    assert (gen0.generation, gen0.kind, gen0.union) == (0, "start", ("w1", "w2"))
+    assert ctx.rank == 0 and ctx.record == gen0
+    assert ctx.world.formed == [(0, gen0.to_layout, 0)]
+    assert coord.states[-1] == ("active", {"rank": 0, "generation": 0})
+
+
+def test_joiner_waits_then_enters_a_running_world() -> None:
+    coord, gen0 = _running(["w1", "w2"])
+    ctx = context("w2", coord, initial=2)
+    assert transitions.start(ctx, State(Phase.START)) == State(Phase.WAIT, after=-1)
+    final = drive(ctx, State(Phase.START), TRANSITIONS)
+    assert final.phase is Phase.ACTIVE and ctx.rank == 1 and ctx.record == gen0
+
+
+def test_too_few_initial_workers_time_out_with_a_named_wait() -> None:
+    coord = FakeCoordinator({"w1": member("joining")})
+    ctx = context("w1", coord, initial=3, join_timeout=0.2)
+    with pytest.raises(Exception, match=r"only 1 of 3 initial workers registered within 0.2 s"):
+        transitions.first(ctx, State(Phase.FIRST))
+
+
+def test_a_leaver_hands_over_and_the_survivor_commits() -> None:
+    coord, gen0 = _running(["w1", "w2", "w3", "w4"])
+    coord.workers["w4"]["state"] = "leaving"
+    survivor = _member_of(coord, gen0, "w1")
+    final = drive(survivor, State(Phase.DECIDE), TRANSITIONS)
+    gen1 = coord.records[-1]
+    assert final.phase is Phase.ACTIVE
+    assert (gen1.generation, gen1.kind, gen1.leaving) == (1, "resize", ("w4",))
+    assert survivor.record == gen1 and coord.committed == 1
+    assert survivor.trainee.iteration == 7  # the scalars travelled with the plan's record
+    job = survivor.world.migrations[0]
+    assert job.me == "0" and job.members == [gen1.planner_ids[w] for w in gen1.union]
+    assert "migration.done" in coord.event_types()
+    leaver = _member_of(coord, gen0, "w4")
+    final = drive(leaver, State(Phase.DECIDE), TRANSITIONS)
+    assert final == State(Phase.LEFT, reason="left")
+    assert leaver.world.migrations[0].new_rank is None and leaver.trainee is None
+
+
+def test_a_peer_lost_mid_migration_falls_back_for_members_and_joiners() -> None:
+    coord, gen0 = _running(["w1", "w2"])
+    coord.workers["w3"] = member("joining")
+    old = _member_of(coord, gen0, "w1")
+    transitions.publish_next(old, reason="test")
+    gen1 = coord.records[-1]
+    assert "w3" in gen1.joining
+    old.world.fail_migration = "exchange"
+    nxt = transitions.resize(old, State(Phase.RESIZE, record=gen1))
+    assert nxt.phase is Phase.RECOVER and nxt.failed == gen1
+    assert old.record == gen0 and old.rank == 0 and old.world.aborted == 1  # untouched
+    joiner = context("w3", coord, initial=2)
+    joiner.world.fail_migration = "group"
+    assert transitions.resize(joiner, State(Phase.RESIZE, record=gen1)) == State(
+        Phase.WAIT, after=gen1.generation)
+    assert any("failed in group" in f.get("message", "") for _, f in coord.events)
+
+
+def test_recover_publishes_a_generation_without_the_dead_and_follows_it() -> None:
+    coord, gen0 = _running(["w1", "w2", "w3", "w4"])
+    coord.workers["w3"]["alive"] = False
+    ctx = _member_of(coord, gen0, "w1")
+    nxt = recovery.recover(ctx, State(Phase.RECOVER, error=RuntimeError("peer closed")))
+    assert nxt.phase is Phase.FOLLOW
+    assert nxt.record.dead == ("w3",) and "w3" not in nxt.record.union
+    assert coord.gone == ["w3"] and "error" in coord.event_types()
+
+
+def test_follow_dispatches_and_refuses() -> None:
+    coord, gen0 = _running(["w1", "w2"])
+    ctx = _member_of(coord, gen0, "w1")
+    stop = replace(gen0, generation=1, kind="stop", reason="2 pieces lost")
+    with pytest.raises(StateLostError, match="stopped: 2 pieces lost"):
+        transitions.follow(ctx, State(Phase.FOLLOW, record=stop))
+    without_me = replace(gen0, generation=1, kind="resize", union=("w2",))
+    assert transitions.follow(ctx, State(Phase.FOLLOW, record=without_me)).reason == "evicted"
+    ckpt = replace(gen0, generation=1, kind="checkpoint")
+    assert transitions.follow(ctx, State(Phase.FOLLOW, record=ckpt)).phase is Phase.CHECKPOINT
+
+
+def test_waiting_worker_goes_home_on_signal_or_end() -> None:
+    coord, gen0 = _running(["w1", "w2"])
+    ctx = context("w9", coord)
+    ctx.boundary.on_signal(object())
+    assert transitions.wait(ctx, State(Phase.WAIT, after=0)).phase is Phase.LEFT
+    coord.publish_generation(end_generation(gen0, 5, reason="finished 5 steps"))
+    ctx = context("w9", coord)
+    left = transitions.wait(ctx, State(Phase.WAIT, after=0))
+    assert left.phase is Phase.LEFT and "finished 5 steps" in left.reason
+
+
+def test_handed_over_follows_a_replanned_change_that_still_needs_it() -> None:
+    coord, gen0 = _running(["w1", "w2"])
+    ctx = _member_of(coord, gen0, "w2")
+    failed = replace(gen0, generation=1, kind="resize", leaving=("w2",))
+    again = replace(gen0, generation=2, kind="resize", leaving=("w2",))
+    coord.publish_generation(failed)
+    coord.publish_generation(again)
+    assert transitions.handed_over(ctx, State(Phase.HANDED_OVER, record=failed)) == State(
+        Phase.FOLLOW, record=again)
+    assert ctx.trainee is not None  # still holds the state the new plan sends
+
+
+def test_operator_drain_and_layout_requests_are_carried_out() -> None:
+    coord, gen0 = _running(["w1", "w2", "w3", "w4"])
+    coord.changes.append(ChangeRequest(to=None, drain=("w3",), by="operator", ts=0.0))
+    ctx = _member_of(coord, gen0, "w1")
+    transitions.publish_next(ctx, reason="resize at step boundary")
+    assert coord.records[-1].leaving == ("w3",) and coord.changes == []
+    coord2, gen0b = _running(["w1", "w2", "w3", "w4"])
+    coord2.changes.append(ChangeRequest(to="tp1pp1dp2", drain=(), by="operator", ts=0.0))
+    ctx2 = _member_of(coord2, gen0b, "w1")
+    transitions.publish_next(ctx2, reason="resize at step boundary")
+    assert coord2.records[-1].to_layout == "tp1pp1dp2"
+
+
+def test_whole_run_preempted_writes_a_checkpoint_and_a_restart_resumes(tmp_path: Path) -> None:
+    coord, gen0 = _running(["w1", "w2"])
+    for w in ("w1", "w2"):
+        coord.workers[w]["state"] = "leaving"
+    ctx = _member_of(coord, gen0, "w1", tmp=str(tmp_path))
+    final = drive(ctx, State(Phase.DECIDE), TRANSITIONS)
+    assert final == State(Phase.LEFT, reason="checkpointed")
+    assert coord.records[-1].kind == "checkpoint" and ctx.world.saved
+    pointer = json.loads((tmp_path / "checkpoint" / "latest.json").read_text())
+    assert pointer["step"] == coord.records[-1].step
+    # the requeued job's workers register afresh and resume from the pointer
+    for w in ("w1", "w2"):
+        coord.workers[w]["state"] = "gone"
+    coord.workers.update({"w5": member("joining"), "w6": member("joining")})
+    fresh = context("w5", coord, initial=2, tmp=str(tmp_path))
+    assert drive(fresh, State(Phase.START), TRANSITIONS).phase is Phase.ACTIVE
+    start = coord.records[-1]
+    assert start.kind == "start" and start.resume == pointer["path"]
+    assert fresh.world.loaded == [pointer["path"]]
+
+
+def test_no_transition_calls_another() -> None:
+    """The protocol's only loop is machine.drive: a transition returns the next state."""
+    names = {fn.__name__ for fn in TRANSITIONS.values()}
+    for fn in TRANSITIONS.values():
+        tree = ast.parse(inspect.getsource(fn).lstrip())
+        called = {n.func.id if isinstance(n.func, ast.Name) else n.func.attr
+                  for n in ast.walk(tree) if isinstance(n, ast.Call)
+                  and isinstance(n.func, ast.Name | ast.Attribute)}
+        assert not (called & names) - {fn.__name__}, (fn.__name__, called & names)
+        assert fn.__name__ not in called, f"{fn.__name__} recurses"

@@ -1,0 +1,96 @@
+"""The fault hooks of ``etcslurm.testing`` (pure, no processes)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from etcslurm.errors import UsageError
+from etcslurm.hooks import NO_HOOKS
+from etcslurm.testing.faults import (
+    CorruptOnce,
+    MigrationDelay,
+    RebuildDelay,
+    Several,
+    StepPacing,
+    hooks_from_json,
+)
+
+
+def test_no_faults_are_the_no_op_hooks() -> None:
+    assert hooks_from_json({}) is NO_HOOKS
+    assert hooks_from_json(None) is NO_HOOKS
+    assert hooks_from_json({"migration_delay": 0, "rebuild_delay": 0}) is NO_HOOKS
+
+
+def test_json_builds_each_hook() -> None:
+    h = hooks_from_json({"migration_delay": 3, "rebuild_delay": 0})
+    assert isinstance(h, MigrationDelay) and h.seconds == 3
+    h = hooks_from_json({"rebuild_delay": 2, "min_step_seconds": 1.5,
+                         "corrupt": {"src": "0", "dst": "1"}})
+    assert isinstance(h, Several)
+    assert [type(p) for p in h.parts] == [RebuildDelay, StepPacing, CorruptOnce]
+
+
+@pytest.mark.parametrize("spec", [{"migration_dely": 1}, {"corrupt": {"byte": 3}}, [1],
+                                  {"rebuild_delay": "soon"}])
+def test_bad_fault_specs_are_refused(spec: object) -> None:
+    with pytest.raises(UsageError):
+        hooks_from_json(spec)  # type: ignore[arg-type]
+
+
+def test_migration_delay_only_after_round_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    h = MigrationDelay(2.5)
+    h.after_round(1, 1)
+    h.before_new_world(1)
+    h.after_round(1, 0)
+    assert slept == [2.5]
+    RebuildDelay(1.0).before_new_world(3)
+    assert slept == [2.5, 1.0]
+
+
+def test_step_pacing_sleeps_the_rest_of_the_minimum(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    pace = StepPacing(3.0)
+    pace.after_step(1, 1.0)
+    pace.after_step(2, 4.0)
+    assert slept == [2.0]
+
+
+def test_corrupt_once_flips_one_byte_of_the_first_matching_message() -> None:
+    h = CorruptOnce(src="0", dst="1", offset=3, mask=0x10)
+    other = SimpleNamespace(src="2", dst="1")
+    msg = SimpleNamespace(src="0", dst="1")
+    packed, segment = torch.zeros(16, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+    h.message_received(other, [packed, segment])
+    assert not segment.any() and not h.fired
+    h.message_received(msg, [packed, segment])
+    assert int(segment[3]) == 0x10 and not packed.any()  # the last buffer, once
+    h.message_received(msg, [packed, segment])
+    assert int(segment[3]) == 0x10
+
+
+def test_the_test_worker_hands_its_hooks_to_the_runtime_worker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import etcslurm.runtime.worker as runtime_worker
+    from etcslurm.testing import worker
+
+    seen: dict[str, object] = {}
+
+    def fake_main(argv: list[str] | None = None, hooks: object = None) -> int:
+        seen.update(argv=argv, hooks=hooks)
+        return 0
+
+    monkeypatch.setattr(runtime_worker, "main", fake_main)
+    args = ["--run", "r1", "--faults", '{"migration_delay": 3}', "--min-step-seconds", "2"]
+    assert worker.main(args) == 0
+    assert seen["argv"] == ["--run", "r1", "--min-step-seconds", "2"]
+    assert isinstance(seen["hooks"], MigrationDelay)
+    assert worker.main(["--faults", "{not json"]) == 2
+    assert worker.main(["--faults", '{"nope": 1}']) == 2
