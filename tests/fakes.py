@@ -18,6 +18,7 @@ from etcslurm.coord.records import ChangeRequest, GenerationRecord
 from etcslurm.core.gpt_state import rank_pieces
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
+from etcslurm.core.planner import MigrationPlan
 from etcslurm.errors import WaitTimeout
 from etcslurm.runtime.boundary import Boundary
 from etcslurm.runtime.config import RunSettings, WorkerOptions
@@ -135,6 +136,7 @@ class FakeWorld:
     saved: list[str] = field(default_factory=list)
     loaded: list[str] = field(default_factory=list)
     votes: list[bool] = field(default_factory=list)
+    analytic: bool = False
 
     def form_and_build(self, generation: int, layout: ParallelConfig, rank: int) -> FakeTrainee:
         self.formed.append((generation, str(layout), rank))
@@ -142,6 +144,9 @@ class FakeWorld:
 
     def abort(self) -> None:
         self.aborted += 1
+
+    def check_describable(self, trainee: Any) -> None:
+        """Stand-in models are always describable."""
 
     def any(self, flag: bool) -> bool:
         self.votes.append(flag)
@@ -158,7 +163,8 @@ class FakeWorld:
 
     def migrate(self, job: MigrationJob, progress: Any = None) -> MigrationResult:
         self.migrations.append(job)
-        plan = job.plan()
+        plan = MigrationPlan(assignment=[], messages=[], local={}, missing={}, idle=[],
+                             stats={"moved_bytes": 0})
         if self.fail_migration is not None:
             phase, self.fail_migration = self.fail_migration, None
             raise PeerLost(phase, RuntimeError("Connection closed by peer"))

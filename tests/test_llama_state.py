@@ -418,3 +418,17 @@ def test_plan_cli_answers_for_llama3_70b() -> None:
     stats = json.loads(out.stdout)
     assert stats["model"] == "llama3-70b" and stats["missing_bytes"] == 0
     assert stats["moved_bytes"] == stats["lower_bound_moved_bytes"] > 0
+
+
+def test_zero_fill_writes_into_live_views() -> None:
+    import torch
+
+    from etcslurm.megatron.sharded_meta import LocalState, zero_fill
+
+    weight = torch.ones(8, 3)
+    piece = Piece("output_layer.weight", ((4, 12), (0, 3)), "float32")
+    state = LocalState([piece], [weight])
+    fill, lost = split_vocab_fill([Piece("output_layer.weight", ((8, 12), (0, 3)), "float32")],
+                                  {"output_layer.weight": 10})
+    assert zero_fill(state, fill) == 2 * 3 * 4
+    assert weight[:6].eq(1).all() and not weight[6:].any() and len(lost) == 1

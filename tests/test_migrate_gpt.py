@@ -25,6 +25,8 @@ def _check(r: dict) -> None:
     assert r.get("mismatches") is None, r.get("mismatches")
     assert r["bit_exact"] is True
     assert r["loss_match"] is True
+    # what ran was planned from the live state; the analytic model gives the same plan
+    assert r["analytic_equals_live"] is True
     assert r["losses_p2p"] == r["losses_checkpoint"] and len(r["losses_p2p"]) == 1
     assert r["peak_staging_bytes"] <= r["staging_cap_bytes"]
     # the planner moves exactly what no assignment can find in place (new replicas may make

@@ -13,7 +13,7 @@ from etcslurm.core.models import GPTSpec
 from etcslurm.core.planner import plan
 from etcslurm.errors import UsageError
 from etcslurm.runtime.generation import (
-    RunSettings,
+    LayoutSettings,
     check_request,
     end_generation,
     first_generation,
@@ -26,8 +26,8 @@ from etcslurm.runtime.schedule import active_after, parse_schedule
 SPEC = GPTSpec.parse("gpt-tiny")
 
 
-def settings(global_batch: int = 12) -> RunSettings:
-    return RunSettings(SPEC, "adam", global_batch, 1, gpus_per_node=2, staging_bytes=1 << 20)
+def settings(global_batch: int = 12) -> LayoutSettings:
+    return LayoutSettings(SPEC, "adam", global_batch, 1, gpus_per_node=2, staging_bytes=1 << 20)
 
 
 def nodes(*workers: str) -> dict[str, str]:
@@ -79,7 +79,7 @@ def test_everyone_leaving_asks_for_a_checkpoint() -> None:
 
 
 def test_dead_sole_holder_stops_the_run_with_a_reason() -> None:
-    s = RunSettings(SPEC, "adam", 12, 1, gpus_per_node=2, staging_bytes=1 << 20)
+    s = LayoutSettings(SPEC, "adam", 12, 1, gpus_per_node=2, staging_bytes=1 << 20)
     ws = ["w1", "w2"]
     gen = first_generation(s, ws, nodes(*ws))
     gen = replace(gen, to_layout="tp2pp1dp1", assignment=(

@@ -210,6 +210,8 @@ def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, An
         "staging_cap_bytes": request.staging_mb << 20,
         "max_recv_bytes": max_recv,
         "bit_exact": bit_exact,
+        # the plan from the live state (what ran) equals the analytic one (core.gpt_state)
+        "analytic_equals_live": all(r.get("analytic_equals_live", False) for r in results),
         "steps_after": request.steps_after,
         "loss_match": loss_match,
         "losses_p2p": new[0]["losses_p2p"],

@@ -51,7 +51,7 @@ from etcslurm.core.models import GPTSpec
 from etcslurm.core.state import Piece
 from etcslurm.errors import StateLostError
 from etcslurm.groups import lifecycle as groups
-from etcslurm.runtime.migration import Migration, MigrationJob, PhaseClock
+from etcslurm.runtime.migration import Migration, MigrationJob, PhaseClock, live_plan
 from etcslurm.transfer.executor import DIRECT_MIN_BYTES, transport_only
 
 
@@ -123,7 +123,8 @@ def _close(baseline: Any) -> None:
 
 def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str) -> dict[str, Any]:
     from etcslurm.core.gpt_state import rank_pieces
-    from etcslurm.core.planner import plan_for_gpt
+    from etcslurm.core.planner import gpt_inputs
+    from etcslurm.core.planner import plan as core_plan
     from etcslurm.megatron import parallel
     from etcslurm.megatron.model import TrainHyper, build_gpt
     from etcslurm.megatron.scalars import extract_scalars
@@ -149,8 +150,13 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         ctx.publish(device, {"phase": phase, "device": device, **info})
 
     # ---------------------------------------------------------------- 0. old world
-    plan = plan_for_gpt(spec, old, new, leaving=[str(r) for r in leave], joiners=n_join,
-                        optimizer=optimizer, staging_bytes=int(c["plan_staging_bytes"]))
+    # the analytic plan (core.gpt_state): its assignment is what a runtime's decider
+    # publishes; the migration then plans from the live state with it, and the two plans
+    # must be identical (the analytic model describes megatron-core's state exactly)
+    analytic_inputs = gpt_inputs(spec, old, new, leaving=[str(r) for r in leave],
+                                 joiners=n_join, optimizer=optimizer,
+                                 staging_bytes=int(c["plan_staging_bytes"]))
+    plan = core_plan(analytic_inputs)
     if plan.missing:
         raise StateLostError(f"pieces with no holder: {sorted(plan.missing)[:3]}")
     held: list[tuple[Piece, torch.Tensor]] = []
@@ -216,9 +222,11 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
     job = MigrationJob(
         generation=1, me=device, members=members, new_rank=new_rank, layout=new, held=held,
         scalars=scalars if new_rank is not None else None,
-        plan=lambda: plan_for_gpt(spec, old, new, leaving=[str(r) for r in leave],
-                                  joiners=n_join, optimizer=optimizer,
-                                  staging_bytes=int(c["plan_staging_bytes"])),
+        plan=lambda m: live_plan(m, nodes=analytic_inputs.nodes,
+                                 leaving=list(analytic_inputs.leaving),
+                                 joiners=list(analytic_inputs.joiners),
+                                 assignment=plan.assignment,
+                                 staging_bytes=int(c["plan_staging_bytes"]), tp=new.tp),
         old=(old, index) if index < n_old else None,
         expected=lambda layout, rank: rank_pieces(spec, layout, rank, optimizer),
     )
@@ -245,7 +253,9 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         clock=_SlowestClock(timeout),
     )
     result = migration.run(repeat=repeat, before_exchange=before_exchange)
-    p2p_model, plan = result.trainee, result.plan
+    p2p_model = result.trainee
+    out["analytic_equals_live"] = _same_plan(result.plan, plan)
+    plan = result.plan
     # one-off, reported apart like the checkpoint writer's start-up: the arena's first
     # allocation and touch (with the holdings and coverage checks)
     out["arena_setup_seconds"] = result.phase("prepare")
@@ -311,6 +321,20 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
     _close(baseline)
     progress("done")
     return out
+
+
+def _same_plan(a: Any, b: Any) -> bool:
+    """Two plans move the same slices between the same devices and copy the same ones
+    locally (the order of slices and their packing into rounds follow the order in which
+    the pieces were described, which differs between megatron-core and the analytic
+    model)."""
+    def moves(p: Any) -> tuple[Any, ...]:
+        sent = sorted((m.src, m.dst, s) for m in p.messages for s in m.slices)
+        local = sorted((d, s) for d, slices in p.local.items() for s in slices)
+        missing = sorted((d, s) for d, slices in p.missing.items() for s in slices)
+        return (list(p.assignment), sent, local, missing, sorted(p.idle))
+
+    return moves(a) == moves(b)
 
 
 def _fingerprint(t: torch.Tensor) -> str:

@@ -49,7 +49,7 @@ def check_layout(text: str, spec: dict[str, Any], live_workers: int) -> str:
     from etcslurm.core.layout import ParallelConfig
     from etcslurm.core.models import GPTSpec
     from etcslurm.errors import LayoutError, UsageError
-    from etcslurm.runtime.generation import RunSettings, layout_problems
+    from etcslurm.runtime.generation import LayoutSettings, layout_problems
 
     if text == "auto":
         return text
@@ -58,7 +58,7 @@ def check_layout(text: str, spec: dict[str, Any], live_workers: int) -> str:
     except LayoutError as exc:
         raise UsageError(f"--to: {exc}") from None
     try:
-        settings = RunSettings(
+        settings = LayoutSettings(
             spec=GPTSpec.from_json(spec["model"]), optimizer=str(spec.get("optimizer", "adam")),
             global_batch=int(spec["global_batch"]), micro_batch=int(spec["micro_batch"]),
             gpus_per_node=int(spec["gpus_per_node"]), staging_bytes=0)

@@ -1,4 +1,4 @@
-"""Redis coordinator: bundled server, client, membership, generations, barrier, events, Store.
+"""Redis coordinator: server, client, membership, generations, typed records, events, Store.
 
 Import the pieces from their modules; this package imports nothing heavy (``store.py`` is
 the only module that imports torch).
@@ -8,6 +8,8 @@ the only module that imports torch).
 * :mod:`etcslurm.coord.client` — :func:`connect` (URL [+ password file] → :class:`CoordClient`)
   with bounded timeouts and retry-until-deadline.
 * :mod:`etcslurm.coord.coordinator` — :class:`Coordinator`, the per-run API the runtime uses.
+* :mod:`etcslurm.coord.records` — the typed, versioned records it stores: generation
+  records, events, change requests (JSON only; malformed ones raise ``RecordError``).
 * :mod:`etcslurm.coord.store` — :class:`RedisStore`, a ``torch.distributed.Store`` on Redis.
 """
 

@@ -182,7 +182,7 @@ def connect(
     seconds (per call).  With ``check`` (default) the server is pinged now, retrying for
     ``check_deadline`` seconds (default ``min(retry_deadline, 10)``) so a typo fails fast;
     a missing/wrong password or a non-Redis peer raises :class:`CoordinatorError` at once.
-    ``max_connections`` caps the pool (one per thread blocked in a barrier or event read;
+    ``max_connections`` caps the pool (one per thread blocked in a wait or event read;
     redis-py's default of 100 is too few for simulations with many threads).
     """
     parts = urlsplit(url)

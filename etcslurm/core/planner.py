@@ -23,6 +23,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -32,7 +33,6 @@ from etcslurm.core.state import (
     Box,
     Piece,
     box_intersect,
-    box_numel,
     box_subtract,
     dtype_bytes,
     locate,
@@ -229,11 +229,35 @@ def message_cap(staging_bytes: int) -> int:
     return max(1, staging_bytes // 2 - staging_bytes // 32)
 
 
+#: the order :class:`Piece` sorts in (its fields), as a C-level key (no dataclass ``__lt__``)
+_piece_order = attrgetter("key", "box", "dtype")
+
+
 def _dev_key(d: str) -> tuple[int, int]:
     """Old ranks numerically, then joiners numerically (deterministic device order)."""
     if d.startswith("join:"):
         return (1, int(d[5:]))
     return (0, int(d))
+
+
+def _meets(a: Box, b: Box) -> bool:
+    """Whether two boxes of the same rank share an element (:func:`box_intersect` is not None)."""
+    for (alo, ahi), (blo, bhi) in zip(a, b, strict=False):  # noqa: SIM110 (faster than all())
+        if alo >= bhi or blo >= ahi:
+            return False
+    return True
+
+
+def _common_numel(a: Box, b: Box) -> int:
+    """Elements two boxes of the same rank share (``box_numel(box_intersect(a, b))``)."""
+    n = 1
+    for (alo, ahi), (blo, bhi) in zip(a, b, strict=False):
+        lo = alo if alo > blo else blo
+        hi = ahi if ahi < bhi else bhi
+        if lo >= hi:
+            return 0
+        n *= hi - lo
+    return n
 
 
 # --------------------------------------------------------------------------- index
@@ -348,22 +372,31 @@ class _Index:
                                    bisect.bisect_left(los1, hi1)]
                     else:
                         cand = ids
-                    out.extend(i for i in cand
-                               if box_intersect(self.pieces[i].box, p.box) is not None)
+                    box = p.box
+                    pieces = self.pieces
+                    out.extend(i for i in cand if _meets(pieces[i].box, box))
         out.sort()
         self._overlap_cache[p] = out
         return out
 
 
 # --------------------------------------------------------------------------- planner
-def plan(inputs: PlanInputs) -> MigrationPlan:
-    """Compute the migration plan (see module docstring)."""
+def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPlan:
+    """Compute the migration plan (see module docstring).
+
+    ``assignment`` (new rank → device), when given, replaces step (a): the runtime plans
+    from the live state after the new world is built, so the assignment the decider
+    published is fixed by then; sources, messages and rounds are planned for it.
+    """
+    if assignment is not None:
+        _check_assignment(inputs, assignment)
     t0 = time.perf_counter()
     inputs.validate()
     old = _Index(inputs.old_blocks, inputs.old_class_blocks)
     new = _Index(inputs.new_blocks, inputs.new_class_blocks, holders_side=False)
     leaving = set(inputs.leaving)
-    old_devices = sorted(inputs.old_device_class, key=_dev_key)
+    dev_key = {d: _dev_key(d) for d in (*inputs.old_device_class, *inputs.joiners)}
+    old_devices = sorted(inputs.old_device_class, key=dev_key.__getitem__)
     available = [d for d in old_devices if d not in leaving] + sorted(inputs.joiners, key=_dev_key)
     n_new = len(inputs.new_rank_class)
     n_oc, n_nc = len(inputs.old_class_blocks), len(inputs.new_class_blocks)
@@ -375,9 +408,10 @@ def plan(inputs: PlanInputs) -> MigrationPlan:
         if same is not None:
             terms[(old.piece_set[same], new.piece_set[j])] += p.nbytes
             continue
+        sn = new.piece_set[j]
+        width = dtype_bytes(p.dtype)
         for i in old.overlapping(p):
-            box = box_intersect(old.pieces[i].box, p.box)
-            terms[(old.piece_set[i], new.piece_set[j])] += box_numel(box) * dtype_bytes(p.dtype)
+            terms[(old.piece_set[i], sn)] += _common_numel(old.pieces[i].box, p.box) * width
     terms_by_old: dict[int, dict[int, int]] = defaultdict(dict)
     for (so, sn), b in terms.items():
         terms_by_old[so][sn] = b
@@ -435,10 +469,11 @@ def plan(inputs: PlanInputs) -> MigrationPlan:
         comp_ranks[find(n_oc + nc)].append(r)
 
     # ---- assignment per component (maximise bytes in place)
+    given = assignment
     assignment: list[str | None] = [None] * n_new
     used: set[str] = set()
     optimal_overlap = 0
-    for comp in sorted(comp_ranks):
+    for comp in sorted(comp_ranks) if given is None else ():
         ranks = comp_ranks[comp]
         devs = comp_devices.get(comp, [])
         if not devs:
@@ -466,6 +501,11 @@ def plan(inputs: PlanInputs) -> MigrationPlan:
             used.add(devs[a])
             optimal_overlap += overlap(inputs.old_device_class[devs[a]],
                                        inputs.new_rank_class[ranks[b]])
+    if given is not None:
+        assignment = list(given)
+        used = set(given)
+        optimal_overlap = sum(overlap(inputs.old_device_class.get(d), inputs.new_rank_class[r])
+                              for r, d in enumerate(given))
     rest = [d for d in available if d not in used]
     k = 0
     for r in range(n_new):
@@ -518,7 +558,8 @@ def plan(inputs: PlanInputs) -> MigrationPlan:
                 local.append(p)
                 continue
             regions: list[Box] = [p.box]
-            for h in sorted(h for b in rel for h in old.block_keys[b].get(p.key, ())):
+            for h in sorted((h for b in rel for h in old.block_keys[b].get(p.key, ())),
+                            key=_piece_order):
                 nxt: list[Box] = []
                 for r in regions:
                     inter = box_intersect(r, h.box)
@@ -544,7 +585,11 @@ def plan(inputs: PlanInputs) -> MigrationPlan:
                 if not regions:
                     break
             missing.extend(Piece(p.key, r, p.dtype) for r in regions)
-        hit = (local, sum(p.nbytes for p in local), remote, missing,
+        rem = []
+        for frag, i in remote:
+            s = old.piece_set[i]
+            rem.append((frag, s, frag.nbytes, candidates(s)))
+        hit = (local, sum(p.nbytes for p in local), rem, missing,
                sum(p.nbytes for p in missing))
         frag_cache[key] = hit
         return hit
@@ -560,7 +605,7 @@ def plan(inputs: PlanInputs) -> MigrationPlan:
         h = heaps.get((s, node))
         if h is None:
             members = cands if node is None else [d for d in cands if nodes[d] == node]
-            h = [(send_load[d], _dev_key(d), d) for d in members]
+            h = [(send_load[d], dev_key[d], d) for d in members]
             heapq.heapify(h)
             heaps[(s, node)] = h
         return h
@@ -598,29 +643,28 @@ def plan(inputs: PlanInputs) -> MigrationPlan:
             if miss:
                 missing_out.setdefault(d, []).extend(miss)
                 missing_bytes += mb
-            for frag, i in rem:
-                cands = candidates(old.piece_set[i])
+            for frag, s, nbytes, cands in rem:
                 if not cands:  # its holders are gone (dead): a checkpoint must supply it
                     missing_out.setdefault(d, []).append(frag)
-                    missing_bytes += frag.nbytes
+                    missing_bytes += nbytes
                     continue
                 if len(cands) == 1:
                     src = cands[0]
-                    send_load[src] += frag.nbytes
+                    send_load[src] += nbytes
                 else:
-                    src = pick(old.piece_set[i], cands, node, frag.nbytes)
+                    src = pick(s, cands, node, nbytes)
                 pairs[(src, d)].append(frag)
     need_bytes = sum(new.class_bytes[c] for c in inputs.new_rank_class)
 
     # ---- coalesce, split under the cap, schedule rounds
     cap = inputs.staging_bytes
     chunks: list[tuple[str, str, list[Piece], int]] = []
-    for (src, dst) in sorted(pairs, key=lambda sd: (_dev_key(sd[0]), _dev_key(sd[1]))):
-        slices = sorted(pairs[(src, dst)])
+    for (src, dst) in sorted(pairs, key=lambda sd: (dev_key[sd[0]], dev_key[sd[1]])):
+        slices = sorted(pairs[(src, dst)], key=_piece_order)
         cur: list[Piece] = []
         cur_bytes = 0
         for sl in slices:
-            for part in _split_to_cap(sl, cap):
+            for part in ((sl,) if sl.nbytes <= cap else _split_to_cap(sl, cap)):
                 if cur and cur_bytes + part.nbytes > cap:
                     chunks.append((src, dst, cur, cur_bytes))
                     cur, cur_bytes = [], 0
@@ -629,8 +673,8 @@ def plan(inputs: PlanInputs) -> MigrationPlan:
         if cur:
             chunks.append((src, dst, cur, cur_bytes))
     messages = [Message(rnd, src, dst, slices, nbytes)
-                for rnd, (src, dst, slices, nbytes) in _schedule(chunks, leaving)]
-    messages.sort(key=lambda m: (m.round, _dev_key(m.src), _dev_key(m.dst)))
+                for rnd, (src, dst, slices, nbytes) in _schedule(chunks, leaving, dev_key)]
+    messages.sort(key=lambda m: (m.round, dev_key[m.src], dev_key[m.dst]))
 
     moved = sum(m.nbytes for m in messages)
     inter = sum(m.nbytes for m in messages if nodes[m.src] != nodes[m.dst])
@@ -660,8 +704,21 @@ def plan(inputs: PlanInputs) -> MigrationPlan:
     return MigrationPlan(final, messages, local_out, missing_out, idle, stats)
 
 
-def _schedule(chunks: list[tuple[str, str, list[Piece], int]],
-              leaving: Iterable[str]) -> list[tuple[int, tuple[str, str, list[Piece], int]]]:
+def _check_assignment(inputs: PlanInputs, assignment: list[str]) -> None:
+    """A given assignment must place every new rank on a distinct available device."""
+    leaving = set(inputs.leaving)
+    available = {d for d in inputs.old_device_class if d not in leaving} | set(inputs.joiners)
+    if len(assignment) != len(inputs.new_rank_class):
+        raise UsageError(f"assignment has {len(assignment)} devices, the new layout "
+                         f"{len(inputs.new_rank_class)} ranks")
+    bad = [d for d in assignment if d not in available]
+    if bad or len(set(assignment)) != len(assignment):
+        raise UsageError(f"assignment {assignment} uses unavailable or repeated devices {bad}")
+
+
+def _schedule(chunks: list[tuple[str, str, list[Piece], int]], leaving: Iterable[str],
+              dev_key: dict[str, tuple[int, int]] | None = None,
+              ) -> list[tuple[int, tuple[str, str, list[Piece], int]]]:
     """Give every message a round: a device sends at most one and receives at most one
     message per round (so its staging stays under the cap), first fit.
 
@@ -674,21 +731,25 @@ def _schedule(chunks: list[tuple[str, str, list[Piece], int]],
     are done early.  Deterministic: ties broken by device ids and chunk order.
     """
     leaving = set(leaving)
+    if dev_key is None:
+        dev_key = {d: _dev_key(d) for c in chunks for d in c[:2]}
     order = sorted(range(len(chunks)),
                    key=lambda k: (chunks[k][0] not in leaving, -chunks[k][3],
-                                  _dev_key(chunks[k][0]), _dev_key(chunks[k][1]), k))
-    sending: dict[str, set[int]] = defaultdict(set)
-    receiving: dict[str, set[int]] = defaultdict(set)
+                                  dev_key[chunks[k][0]], dev_key[chunks[k][1]], k))
+    # busy rounds of each device as bits of an int: the first round free at both ends is
+    # the lowest zero bit of (sending | receiving), found in C (a scan per round was
+    # O(messages x rounds))
+    sending: dict[str, int] = defaultdict(int)
+    receiving: dict[str, int] = defaultdict(int)
     out = []
     for k in order:
-        src, dst = chunks[k][0], chunks[k][1]
-        busy_send, busy_recv = sending[src], receiving[dst]
-        rnd = 0
-        while rnd in busy_send or rnd in busy_recv:
-            rnd += 1
-        busy_send.add(rnd)
-        busy_recv.add(rnd)
-        out.append((rnd, chunks[k]))
+        chunk = chunks[k]
+        src, dst = chunk[0], chunk[1]
+        busy = sending[src] | receiving[dst]
+        bit = ~busy & (busy + 1)
+        sending[src] |= bit
+        receiving[dst] |= bit
+        out.append((bit.bit_length() - 1, chunk))
     return out
 
 

@@ -51,7 +51,7 @@ def box_intersect(a: Box, b: Box) -> Box | None:
     if len(a) != len(b):
         raise ValueError(f"boxes of different rank: {a} and {b}")
     out = []
-    for (alo, ahi), (blo, bhi) in zip(a, b, strict=True):
+    for (alo, ahi), (blo, bhi) in zip(a, b, strict=False):  # lengths checked above
         lo = alo if alo > blo else blo
         hi = ahi if ahi < bhi else bhi
         if lo >= hi:
@@ -109,7 +109,12 @@ class Piece:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * dtype_bytes(self.dtype)
+        # cached like the hash: the planner asks for it once per slice per use
+        n = self.__dict__.get("_nbytes")
+        if n is None:
+            n = box_numel(self.box) * dtype_bytes(self.dtype)
+            object.__setattr__(self, "_nbytes", n)
+        return n
 
     @property
     def shape(self) -> tuple[int, ...]:

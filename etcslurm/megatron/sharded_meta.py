@@ -303,6 +303,24 @@ def _distributed_pieces(mopt: Any, metas: dict[int, ParamMeta], add: Any) -> Non
                 add(f"optimizer.state.{name}.{key}", box, _box_view(flat.view(-1), box, offset))
 
 
+def zero_fill(state: LocalState, slices: list[Piece]) -> int:
+    """Zero ``slices`` of this rank's NEW state; returns the bytes written.
+
+    For the vocabulary rows no old rank holds (``core.gpt_state.split_vocab_fill``'s
+    ``fill``): megatron-core's resharded checkpoint load leaves them at zero in the params,
+    the fp32 main params and both Adam moments, so a migration does the same.  Each slice
+    must lie inside one piece of ``state`` (planned slices do).
+    """
+    from etcslurm.core.state import locate
+
+    written = 0
+    for piece in slices:
+        holder, rel = locate(piece, state.pieces)
+        state.view(holder)[tuple(slice(lo, hi) for lo, hi in rel)].zero_()
+        written += piece.nbytes
+    return written
+
+
 def gather_global(trainee: Trainee, group: Any = None) -> dict[str, torch.Tensor]:
     """Every global tensor, assembled from all ranks' pieces (tests and bench only).
 

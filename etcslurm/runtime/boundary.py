@@ -22,7 +22,7 @@ from typing import Any
 
 from etcslurm.coord.coordinator import ACTIVE, GONE, JOINING, LEAVING
 from etcslurm.coord.records import ChangeRequest, GenerationRecord
-from etcslurm.errors import EtcslurmError
+from etcslurm.errors import EtcslurmError, RecordError
 from etcslurm.runtime.config import WorkerOptions
 
 log = logging.getLogger("etcslurm.runtime")
@@ -120,10 +120,24 @@ class Boundary:
         nodes = {w: str(i.get("node") or i.get("host") or "?") for w, i in members.items()}
         return WorldView(leaving, dead, ready, nodes)
 
-    def pending_request(self) -> ChangeRequest | None:
-        """The newest operator request (``etcslurm resize``) not yet carried out."""
+    def pending_request(self, settings: Any, record: GenerationRecord,
+                        view: WorldView) -> ChangeRequest | None:
+        """The pending change requests (``etcslurm resize``, leavers' drains) as one, if it
+        can be carried out now; one that cannot is taken off the queue with an ``error``
+        event saying why (else it would stay pending forever)."""
+        from etcslurm.runtime.generation import check_request, merge_requests
+
         pending = self.coord.pending_changes()
-        return pending[-1] if pending else None
+        request = merge_requests(pending)
+        if request is None:
+            return None
+        problem = check_request(settings, record, request, leaving=view.leaving, dead=[],
+                                ready=view.ready)
+        if problem is None:
+            return request
+        self.coord.take_changes(len(pending))
+        self.coord.emit("error", message=f"change request by {request.by} dropped: {problem}")
+        return None
 
     def decider(self, record: GenerationRecord) -> str:
         """The lowest-ranked world member that is active and alive (every rank agrees: the
@@ -166,7 +180,10 @@ class Boundary:
                 self._dropped = 0
             while self._backlog:
                 ts, type, data = self._backlog[0]
-                self.coord.emit(type, at_ts=ts, retry_s=retry_s, **data)
+                try:
+                    self.coord.emit(type, at_ts=ts, retry_s=retry_s, **data)
+                except RecordError as exc:  # a malformed event is dropped, not an outage
+                    log.error("event %s dropped: %s", type, exc)
                 self._backlog.popleft()
         except EtcslurmError as exc:
             if retry_s is None:

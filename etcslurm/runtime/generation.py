@@ -17,16 +17,18 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from etcslurm.coord.records import Assignment, ChangeRequest, GenerationRecord
-from etcslurm.core.gpt_state import expand
+from etcslurm.core.gpt_state import expand, padded_vocab, split_vocab_fill
 from etcslurm.core.layout import LayoutDecision, ParallelConfig, choose_config
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.planner import MigrationPlan, PlanInputs, message_cap, plan
+from etcslurm.core.state import Piece
 from etcslurm.errors import LayoutError
 
 
 @dataclass(frozen=True)
-class RunSettings:
-    """The parts of the run spec that decide layouts (identical on every worker)."""
+class LayoutSettings:
+    """The parts of the run settings that decide layouts and plans (identical on every
+    worker; built from :class:`etcslurm.runtime.config.RunSettings`)."""
 
     spec: GPTSpec
     optimizer: str
@@ -34,7 +36,7 @@ class RunSettings:
     micro_batch: int
     gpus_per_node: int
     staging_bytes: int
-    params_dtype: str = "float32"
+    params_dtype: str | None = None  # None: the model's own (``spec.dtype``)
 
     def choose(self, n_devices: int, previous: ParallelConfig | None) -> LayoutDecision:
         return choose_config(
@@ -48,7 +50,7 @@ class RunSettings:
         )
 
 
-def layout_problems(settings: RunSettings, config: ParallelConfig) -> list[str]:
+def layout_problems(settings: LayoutSettings, config: ParallelConfig) -> list[str]:
     """Why ``config`` cannot train this run's model and batch (empty: it can).
 
     The same rules as the automatic choice: heads, ffn and layers divide, TP groups fit
@@ -74,7 +76,7 @@ def _assignment(
 
 
 def first_generation(
-    settings: RunSettings, workers: Sequence[str], nodes: Mapping[str, str], step: int = 0
+    settings: LayoutSettings, workers: Sequence[str], nodes: Mapping[str, str], step: int = 0
 ) -> GenerationRecord:
     """Generation 0: the first ``used`` workers (in registration order) form the world."""
     decision = settings.choose(len(workers), None)
@@ -112,7 +114,7 @@ def end_generation(current: GenerationRecord, step: int, reason: str) -> Generat
     )
 
 
-def plan_inputs(settings: RunSettings, record: GenerationRecord) -> PlanInputs:
+def plan_inputs(settings: LayoutSettings, record: GenerationRecord) -> PlanInputs:
     """The planner inputs of a ``resize`` record (every participant rebuilds them)."""
     if record.from_layout is None or record.old_world is None:
         raise LayoutError(f"generation {record.generation} ({record.kind}) has no previous "
@@ -142,6 +144,14 @@ def plan_inputs(settings: RunSettings, record: GenerationRecord) -> PlanInputs:
     )
 
 
+def lost_pieces(migration: MigrationPlan, old_vocab_rows: int | dict[str, int]) -> list[Piece]:
+    """The pieces of a plan's ``missing`` that are really lost: vocabulary rows that no
+    old layout had (a TP change grew the padded vocabulary) are filled, not lost
+    (:func:`etcslurm.core.gpt_state.split_vocab_fill`)."""
+    missing = [p for pieces in migration.missing.values() for p in pieces]
+    return split_vocab_fill(missing, old_vocab_rows)[1]
+
+
 def _available(
     current: GenerationRecord, leaving: Sequence[str], dead: Sequence[str],
     ready: Sequence[str], drain: Sequence[str] = (),
@@ -155,7 +165,7 @@ def _available(
 
 
 def check_request(
-    settings: RunSettings,
+    settings: LayoutSettings,
     current: GenerationRecord,
     request: ChangeRequest,
     *,
@@ -206,7 +216,7 @@ def merge_requests(requests: Sequence[ChangeRequest]) -> ChangeRequest | None:
 
 
 def worth_changing(
-    settings: RunSettings,
+    settings: LayoutSettings,
     current: GenerationRecord,
     *,
     leaving: Sequence[str],
@@ -233,7 +243,7 @@ def worth_changing(
 
 
 def _target(
-    settings: RunSettings, current: GenerationRecord, request: ChangeRequest | None,
+    settings: LayoutSettings, current: GenerationRecord, request: ChangeRequest | None,
     n_avail: int, old_cfg: ParallelConfig,
 ) -> tuple[ParallelConfig, str | None, str]:
     """(new layout, the operator's layout in force or None, why this layout)."""
@@ -253,7 +263,7 @@ def _target(
 
 
 def next_generation(
-    settings: RunSettings,
+    settings: LayoutSettings,
     current: GenerationRecord,
     *,
     leaving: Sequence[str],
@@ -324,8 +334,9 @@ def next_generation(
         idle=tuple(w for w in union if w not in set(world) and w not in set(leavers)),
         joining=tuple(w for w in joiners if w in set(world)),
     )
-    if migration.missing:
-        count = sum(len(v) for v in migration.missing.values())
+    lost = lost_pieces(migration, padded_vocab(settings.spec, old_cfg.tp))
+    if lost:
+        count = len(lost)
         record = replace(record, kind="stop", reason=(
             f"{count} state pieces were held only by dead worker(s) {', '.join(sorted(gone_dead))} "
             "and no replica survives"))

@@ -73,7 +73,9 @@ class MigrationJob:
     ``members``: the planner ids of every participant in exchange-group order.
     ``held``: (piece, view) of the old state this participant holds (read while the old
     ``parallel_state`` still existed), ``scalars``: the replicated scalars to restore in
-    the new model.  ``expected``: the pieces the plan assumes a rank of a layout holds
+    the new model.  ``plan(migration)`` computes the plan once the exchange group exists
+    and the new model is built (``migration.group``, ``migration.needed``): from live
+    descriptions exchanged on that group (:func:`live_plan`), or analytically.  ``expected``: the pieces the plan assumes a rank of a layout holds
     (the holdings check); ``None`` skips it.
     """
 
@@ -84,7 +86,7 @@ class MigrationJob:
     layout: ParallelConfig
     held: list[tuple[Piece, torch.Tensor]]
     scalars: dict[str, Any] | None
-    plan: Callable[[], MigrationPlan]
+    plan: Callable[[Migration], MigrationPlan]
     old: tuple[ParallelConfig, int] | None = None
     expected: Callable[[ParallelConfig, int], Iterable[Piece]] | None = None
 
@@ -157,6 +159,9 @@ class Migration:
         self.plan: MigrationPlan | None = None
         self.local: list[Piece] = []
         self.needed: list[tuple[Piece, torch.Tensor]] = []
+        #: slices of the new model no old rank ever held (vocabulary rows a TP change
+        #: added): zeroed as megatron-core's resharded load leaves them, not received
+        self.fill: list[Piece] = []
 
     @property
     def ranks(self) -> dict[str, int]:
@@ -174,15 +179,17 @@ class Migration:
                 groups.teardown()  # a leaver (or idle): it only needs the exchange group
             else:
                 self.trainee = self.form_and_build(job.generation, job.layout, job.new_rank)
+        self.needed = _local_state(self.trainee)
         try:
             with _peer_phase("group"):
                 self.group = groups.exchange_group(
                     self.store, job.generation, job.members.index(job.me), len(job.members),
                     timeout=self.group_timeout)
-            with clock.phase("plan", self):
-                self.plan = job.plan()
+            with clock.phase("plan", self), _peer_phase("plan"):
+                self.plan = job.plan(self)
             with clock.phase("prepare", self):
                 self._prepare()
+            self._report({})
             if before_exchange is not None:
                 before_exchange(self)
             stats = None
@@ -199,21 +206,23 @@ class Migration:
 
     # ------------------------------------------------------------------ phases
     def _prepare(self) -> None:
-        from etcslurm.megatron.sharded_meta import local_state
-
         job, plan = self.job, self.plan
         assert plan is not None
         if job.expected is not None and job.old is not None:
             check_holdings([p for p, _ in job.held], job.expected(*job.old), "old", job.old)
-        self.needed = local_state(self.trainee).items() if self.trainee is not None else []
         if job.expected is not None and job.new_rank is not None:
             new = (job.layout, job.new_rank)
             check_holdings([p for p, _ in self.needed], job.expected(*new), "new", new)
         self.local = list(plan.local.get(job.me, [])) if job.new_rank is not None else []
+        if self.fill:
+            from etcslurm.megatron.sharded_meta import LocalState, zero_fill
+
+            zero_fill(LocalState([p for p, _ in self.needed], [v for _, v in self.needed]),
+                      self.fill)
         self.arena = staging_arena(plan.messages, job.me, self.arena, direct_min=self.direct_min,
                                    held=job.held, needed=self.needed)
         # a plan that misses part of the new model is a bug, not a failure to fall back from
-        check_fills(self.needed, self.local, plan.messages, job.me,
+        check_fills(self.needed, [*self.local, *self.fill], plan.messages, job.me,
                     f"generation {job.generation}, rank {job.new_rank}")
 
     def _exchange(self) -> TransferStats:
@@ -221,8 +230,7 @@ class Migration:
         assert plan is not None
 
         def progress(info: dict[str, Any]) -> None:
-            if self.progress is not None:
-                self.progress(info)
+            self._report(info)
             if "round_index" in info:
                 self.hooks.after_round(job.generation, int(info["round_index"]))
 
@@ -232,6 +240,15 @@ class Migration:
             arena=self.arena, direct_min=self.direct_min, progress=progress, hooks=self.hooks,
         )
 
+    def _report(self, info: dict[str, Any]) -> None:
+        """Forward a progress report, with this participant's totals added."""
+        if self.progress is None or self.plan is None:
+            return
+        me = self.job.me
+        mine = [m for m in self.plan.messages if me in (m.src, m.dst) and m.src != m.dst]
+        self.progress({**info, "total_send": sum(m.nbytes for m in mine if m.src == me),
+                       "total_recv": sum(m.nbytes for m in mine if m.dst == me)})
+
     def _commit(self) -> None:
         from etcslurm.megatron.adapter import finish_restore
 
@@ -240,6 +257,61 @@ class Migration:
         if self.job.scalars is not None:
             finish_restore(self.trainee, self.job.scalars)
         dist.barrier()  # past it, every new member is complete
+
+
+def _local_state(trainee: Any) -> list[tuple[Piece, torch.Tensor]]:
+    """(piece, view) of every tensor of a freshly built model (empty for a leaver)."""
+    if trainee is None:
+        return []
+    from etcslurm.megatron.sharded_meta import local_state
+
+    return local_state(trainee).items()
+
+
+def live_plan(migration: Migration, *, nodes: dict[str, str], leaving: list[str],
+              joiners: list[str], assignment: list[str], staging_bytes: int,
+              tp: int = 1) -> MigrationPlan:
+    """The plan from the live state: every participant describes what it holds and needs,
+    the descriptions are exchanged on the exchange group, and every participant plans on
+    the same inputs with the published ``assignment`` (new rank → planner id).  Works for
+    any model whose state :func:`etcslurm.megatron.sharded_meta.local_state` describes."""
+    from etcslurm.core.descriptions import inputs_from_descriptions
+    from etcslurm.core.planner import plan
+    from etcslurm.transfer.describe import exchange_descriptions
+
+    job = migration.job
+    held = [p for p, _ in job.held] if job.old is not None else None
+    needed = [p for p, _ in migration.needed] if job.new_rank is not None else None
+    found = exchange_descriptions(migration.group, job.me, held, needed, job.new_rank,
+                                  migration.timeout)
+    if sorted(found.needed) != list(range(len(assignment))):
+        raise MigrationError(
+            f"generation {job.generation}: new ranks {sorted(found.needed)} described their "
+            f"state, the layout has {len(assignment)}")
+    inputs = inputs_from_descriptions(
+        found.held, [found.needed[r] for r in range(len(assignment))], nodes=nodes,
+        leaving=leaving, joiners=joiners, staging_bytes=staging_bytes, tp=tp)
+    result = plan(inputs, assignment=assignment)
+    _split_fill(migration, result, [p for pieces in found.held.values() for p in pieces])
+    return result
+
+
+def _split_fill(migration: Migration, result: MigrationPlan, old_pieces: list[Piece]) -> None:
+    """Vocabulary rows that no old rank ever held are not lost: they are zero-filled
+    (``migration.fill``); ``result.missing`` keeps only what is really lost."""
+    from etcslurm.core.gpt_state import split_vocab_fill, vocab_rows
+
+    if not result.missing:
+        return
+    old_rows = vocab_rows(old_pieces)
+    lost: dict[str, list[Piece]] = {}
+    for device, pieces in result.missing.items():
+        fill, really_lost = split_vocab_fill(pieces, old_rows)
+        if device == migration.job.me:
+            migration.fill = fill
+        if really_lost:
+            lost[device] = really_lost
+    result.missing = lost
 
 
 @contextlib.contextmanager

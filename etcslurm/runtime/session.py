@@ -239,10 +239,11 @@ class ElasticSession:
 
         ctx = self.ctx
         assert ctx is not None and ctx.record is not None
+        settings = transitions.layout_settings(ctx)
         view = ctx.boundary.world_view(ctx.record, deadline=0)
-        request = ctx.boundary.pending_request()
-        return worth_changing(transitions.layout_settings(ctx), ctx.record, leaving=view.leaving,
-                              dead=[], ready=view.ready, request=request)
+        request = ctx.boundary.pending_request(settings, ctx.record, view)
+        return worth_changing(settings, ctx.record, leaving=view.leaving, dead=[],
+                              ready=view.ready, request=request)
 
     def _log_data(self, step: int, loss: float) -> None:
         ctx = self.ctx

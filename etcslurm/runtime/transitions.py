@@ -17,16 +17,17 @@ from etcslurm.coord.coordinator import ACTIVE, JOINING
 from etcslurm.coord.records import GenerationRecord
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.planner import MigrationPlan
-from etcslurm.errors import MigrationError, StateLostError, WaitTimeout
+from etcslurm.errors import StateLostError, WaitTimeout
 from etcslurm.runtime import checkpointing
 from etcslurm.runtime.generation import (
+    LayoutSettings,
     check_request,
     first_generation,
+    merge_requests,
     next_generation,
-    plan_inputs,
 )
 from etcslurm.runtime.machine import Context, MigrationReport, Phase, State
-from etcslurm.runtime.migration import MigrationJob, PeerLost
+from etcslurm.runtime.migration import MigrationJob, PeerLost, live_plan
 
 log = logging.getLogger("etcslurm.runtime")
 
@@ -145,6 +146,9 @@ def enter(ctx: Context, state: State) -> State:
     ctx.rank = rank
     ctx.trainee = ctx.world.form_and_build(record.generation, ParallelConfig.parse(record.to_layout),
                                            rank)
+    # before the first step, not at the first resize: a model etcslurm cannot describe
+    # stops here with one line naming the first tensor it cannot handle
+    ctx.world.check_describable(ctx.trainee)
     if record.resume:
         ctx.world.load_checkpoint(ctx.trainee, record.resume)
     ctx.record = record
@@ -160,23 +164,23 @@ def resize(ctx: Context, state: State) -> State:
     record = state.record
     assert record is not None
     gen, coord, t0 = record.generation, ctx.coord, time.perf_counter()
-    migration_plan = replay_plan(ctx, record)  # before anything: a mismatch is a bug
     ids = record.planner_ids
     me, new_rank = ids[ctx.worker_id], record.rank_of(ctx.worker_id)
     held, _ = ctx.holdings()  # the old model stays readable through these until the commit
     old = None
     if ctx.record is not None and ctx.rank is not None:
         old = (ParallelConfig.parse(ctx.record.to_layout), ctx.rank)
+    layout = ParallelConfig.parse(record.to_layout)
     job = MigrationJob(
         generation=gen, me=me, members=[ids[w] for w in record.union], new_rank=new_rank,
-        layout=ParallelConfig.parse(record.to_layout), held=held,
+        layout=layout, held=held,
         scalars=dict(record.scalars) if new_rank is not None else None,
-        plan=lambda: migration_plan, old=old, expected=ctx.world.expected_pieces,
+        plan=lambda m: _live_plan(ctx, record, m), old=old,
+        expected=ctx.world.expected_pieces if ctx.world.analytic else None,
     )
-    progress = _progress_emitter(ctx, migration_plan, me, gen, new_rank)
     if new_rank is not None:
         coord.emit("migration.rebuild", gen=gen, worker=ctx.worker_id, rank=new_rank)
-    progress({})
+    progress = _progress_emitter(ctx, gen, new_rank)
     try:
         result = ctx.world.migrate(job, progress)
     except PeerLost as exc:
@@ -267,28 +271,35 @@ def checkpoint(ctx: Context, state: State) -> State:
 
 
 # ---------------------------------------------------------------------- helpers
-def layout_settings(ctx: Context) -> Any:
+def layout_settings(ctx: Context) -> LayoutSettings:
     """What the layout policy and the planner need of the run settings."""
-    from etcslurm.runtime.generation import RunSettings as LayoutSettings
-
     s = ctx.settings
     return LayoutSettings(spec=s.model, optimizer=s.optimizer, global_batch=s.global_batch,
                           micro_batch=s.micro_batch, gpus_per_node=s.gpus_per_node,
                           staging_bytes=s.staging_bytes)
 
 
-def replay_plan(ctx: Context, record: GenerationRecord) -> MigrationPlan:
-    """The plan of ``record``, replayed here; it must assign what the decider published."""
-    from etcslurm.core.planner import plan
+def _live_plan(ctx: Context, record: GenerationRecord, migration: Any) -> MigrationPlan:
+    """The plan of ``record`` from the live state (descriptions exchanged on the exchange
+    group), with the assignment the decider published."""
+    from etcslurm.core.planner import message_cap
 
-    migration = plan(plan_inputs(layout_settings(ctx), record))
-    by_id = {v: k for k, v in record.planner_ids.items()}
-    if [by_id[d] for d in migration.assignment] != record.workers_by_rank():
-        raise MigrationError(
-            f"generation {record.generation}: this worker's plan differs from the leader's "
-            "(planner inputs are not deterministic)"
-        )
-    return migration
+    ids, dead = record.planner_ids, set(record.dead)
+    plan = live_plan(
+        migration,
+        nodes={ids[w]: record.nodes.get(w, "?") for w in record.union},
+        leaving=[ids[w] for w in record.leaving if w not in dead],
+        joiners=[ids[w] for w in record.union if ids[w].startswith("join:")],
+        assignment=[ids[w] for w in record.workers_by_rank()],
+        staging_bytes=message_cap(ctx.settings.staging_bytes),
+        tp=ParallelConfig.parse(record.to_layout).tp,
+    )
+    if plan.missing:
+        count = sum(len(v) for v in plan.missing.values())
+        raise StateLostError(
+            f"generation {record.generation}: {count} state pieces of the new layout have no "
+            f"holder among the participants (first: {next(iter(plan.missing.values()))[:1]})")
+    return plan
 
 
 def publish_next(ctx: Context, reason: str, extra_dead: tuple[str, ...] = ()) -> None:
@@ -301,7 +312,7 @@ def publish_next(ctx: Context, reason: str, extra_dead: tuple[str, ...] = ()) ->
     coord = ctx.coord
     view = ctx.boundary.world_view(ctx.record)
     pending = coord.pending_changes()
-    request = pending[-1] if pending else None
+    request = merge_requests(pending)
     dead = sorted(extra_dead)
     if request is not None:
         problem = check_request(layout_settings(ctx), ctx.record, request,
@@ -328,17 +339,15 @@ def publish_next(ctx: Context, reason: str, extra_dead: tuple[str, ...] = ()) ->
         log.info("published generation %s: %s", record.generation, record.reason)
 
 
-def _progress_emitter(ctx: Context, plan: MigrationPlan, me: str, gen: int,
-                      new_rank: int | None) -> Any:
-    """A progress callback that emits ``migration.progress`` with running totals."""
-    mine = [m for m in plan.messages if me in (m.src, m.dst) and m.src != m.dst]
-    total_send = sum(m.nbytes for m in mine if m.src == me)
-    total_recv = sum(m.nbytes for m in mine if m.dst == me)
+def _progress_emitter(ctx: Context, gen: int, new_rank: int | None) -> Any:
+    """A progress callback that emits ``migration.progress`` with running totals (the
+    migration adds this participant's ``total_send`` / ``total_recv`` to each report)."""
     done = {"sent": 0, "recv": 0}
 
     def progress(info: dict[str, Any]) -> None:
         done["sent"] += int(info.get("bytes_sent", 0))
         done["recv"] += int(info.get("bytes_received", 0))
+        total_send, total_recv = int(info["total_send"]), int(info["total_recv"])
         ctx.coord.emit("migration.progress", gen=gen, worker=ctx.worker_id, rank=new_rank,
                        sent=min(done["sent"], total_send), recv=min(done["recv"], total_recv),
                        total_send=total_send, total_recv=total_recv)

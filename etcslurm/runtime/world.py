@@ -42,6 +42,11 @@ class World:
         self.build_seconds = 0.0
         #: the staging arena, kept from one migration to the next (resident memory)
         self.arena: torch.Tensor | None = None
+        #: the model is etcslurm's own GPT of ``settings.model``: its pieces are known
+        #: analytically, and the migration checks the live ones against them
+        from etcslurm.runtime.config import default_builder
+
+        self.analytic = build is default_builder
 
     # ------------------------------------------------------------------ worlds
     def form_and_build(self, generation: int, layout: ParallelConfig, rank: int) -> Any:
@@ -77,6 +82,17 @@ class World:
         from etcslurm.megatron.scalars import extract_scalars
 
         return local_state(trainee).items(), extract_scalars(trainee)
+
+    def check_describable(self, trainee: Any) -> None:
+        """Refuse, with one line, a model whose state etcslurm cannot describe (it could
+        not be migrated at the first resize)."""
+        from etcslurm.errors import MigrationError, UsageError
+        from etcslurm.megatron.sharded_meta import check_describable
+
+        try:
+            check_describable(trainee)
+        except MigrationError as exc:
+            raise UsageError(f"this model cannot be made elastic: {exc}") from None
 
     def expected_pieces(self, layout: ParallelConfig, rank: int) -> Iterable[Piece]:
         """The pieces the planner assumes ``rank`` of ``layout`` holds."""
