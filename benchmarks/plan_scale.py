@@ -1,50 +1,114 @@
-"""Planner scale benchmark: plan time and peak memory (ru_maxrss of the process, MiB) at 1k-16k devices.
+"""Planner scale benchmark: plan time and peak memory at 1k-16k devices.
 
-Run: ``python benchmarks/plan_scale.py [--optimizer adam|distributed|both]``.
-Target: gpt-70b tp8pp8dp128 → tp8pp8dp96 (8192 → 6144 devices) < 1 s, < 1 GiB, one core.
-Leaving devices are whole DP replicas (dp index >= new dp), the common preemption case.
+Run: ``python benchmarks/plan_scale.py [--optimizer adam|distributed|both]
+[--pattern dp|stage|scatter|all] [--max-devices N]``.
+
+Targets (issue 17): gpt-70b 8192 → 6144 devices < 1 s and < 1 GiB on one core, 16384 →
+12288 < 2 s, for both leave patterns and both optimizers:
+
+- ``dp``: whole DP replicas leave (dp index >= new dp), the common preemption case;
+- ``stage``: whole pipeline stages leave (the last ranks; ``etcslurm plan --leave
+  6144-8191`` for tp8pp8dp128 → tp8pp8dp96): their state must come from the leavers;
+- ``scatter`` (not in ``all``'s default pair): every 4th DP replica leaves.
+
+Each case runs in a fresh subprocess, so ``rss_MiB`` (ru_maxrss) is that case's own peak
+(inputs + plan).  ``cpu_s`` is the planner's CPU time, ``plan_s`` its wall time (they
+differ on a loaded machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
+import subprocess
+import sys
 import time
 
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import PRESETS
 from etcslurm.core.planner import gpt_inputs, plan
 
-CASES = [
-    ("gpt-70b", ParallelConfig(8, 8, 16), ParallelConfig(8, 8, 12)),    # 1k
-    ("gpt-70b", ParallelConfig(8, 8, 64), ParallelConfig(8, 8, 48)),    # 4k
-    ("gpt-70b", ParallelConfig(8, 8, 128), ParallelConfig(8, 8, 96)),   # 8k (target)
-    ("gpt-70b", ParallelConfig(8, 8, 256), ParallelConfig(8, 8, 192)),  # 16k
-]
+P = ParallelConfig
+#: (model, old, new) per pattern; stage cases drop the last old pipeline stages
+CASES = {
+    "dp": [
+        ("gpt-70b", P(8, 8, 16), P(8, 8, 12)),     # 1k
+        ("gpt-70b", P(8, 8, 64), P(8, 8, 48)),     # 4k
+        ("gpt-70b", P(8, 8, 128), P(8, 8, 96)),    # 8k (target < 1 s)
+        ("gpt-70b", P(8, 8, 256), P(8, 8, 192)),   # 16k (target < 2 s)
+    ],
+    "stage": [
+        ("gpt-70b", P(8, 8, 16), P(8, 8, 12)),     # 1k, leave 768-1023
+        ("gpt-70b", P(8, 8, 128), P(8, 8, 96)),    # 8k, leave 6144-8191
+        ("gpt-70b", P(8, 16, 128), P(8, 16, 96)),  # 16k, leave 12288-16383
+    ],
+    "scatter": [
+        ("gpt-70b", P(8, 8, 128), P(8, 8, 96)),    # 8k, every 4th DP replica
+    ],
+}
+
+
+def leavers(pattern: str, old: ParallelConfig, new: ParallelConfig) -> list[str]:
+    n = old.world_size
+    if pattern == "dp":
+        return [str(r) for r in range(n) if old.coord(r).dp >= new.dp]
+    if pattern == "stage":
+        return [str(r) for r in range(new.world_size, n)]  # pp is the outermost index
+    assert pattern == "scatter"
+    return [str(r) for r in range(n) if old.coord(r).dp % 4 == 3]
+
+
+def one(opt: str, pattern: str, idx: int) -> dict:
+    model, old, new = CASES[pattern][idx]
+    leave = leavers(pattern, old, new)
+    t0 = time.perf_counter()
+    inputs = gpt_inputs(PRESETS[model], old, new, leave, 0, 8, opt)
+    t1 = time.perf_counter()
+    c2 = time.process_time()
+    p = plan(inputs)
+    t3 = time.perf_counter()
+    c3 = time.process_time()
+    s = p.stats
+    return {
+        "optimizer": opt, "pattern": pattern, "model": model, "from": str(old), "to": str(new),
+        "devices": old.world_size, "leave": f"{leave[0]}-{leave[-1]}" if pattern == "stage"
+        else f"{len(leave)} ranks", "inputs_s": t1 - t0, "plan_s": t3 - t1, "cpu_s": c3 - c2,
+        "rss_MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "moved_GiB": s["moved_bytes"] / 2**30, "at_lower_bound":
+        s["moved_bytes"] == s["lower_bound_moved_bytes"], "messages": s["messages"],
+        "rounds": s["rounds"],
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--optimizer", default="both", choices=["adam", "distributed", "both"])
+    ap.add_argument("--pattern", default="all", choices=["dp", "stage", "scatter", "all"])
+    ap.add_argument("--max-devices", type=int, default=16384)
+    ap.add_argument("--one", nargs=3, metavar=("OPT", "PATTERN", "IDX"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one[0], args.one[1], int(args.one[2]))))
+        return
     opts = ["adam", "distributed"] if args.optimizer == "both" else [args.optimizer]
-    print(f"{'optimizer':11} {'model':8} {'from':>12} {'to':>12} {'devices':>7} "
-          f"{'inputs_s':>8} {'plan_s':>7} {'cpu_s':>6} {'rss_MiB':>8} {'moved_GiB':>9} {'messages':>8}")
+    patterns = ["dp", "stage"] if args.pattern == "all" else [args.pattern]
+    print(f"{'optimizer':11} {'leave':7} {'model':8} {'from':>12} {'to':>12} {'devices':>7} "
+          f"{'inputs_s':>8} {'plan_s':>7} {'cpu_s':>6} {'rss_MiB':>8} {'moved_GiB':>9} "
+          f"{'=bound':>6} {'messages':>8} {'rounds':>6}")
     for opt in opts:
-        for model, old, new in CASES:
-            leave = [str(r) for r in range(old.world_size) if old.coord(r).dp >= new.dp]
-            t0 = time.perf_counter()
-            inputs = gpt_inputs(PRESETS[model], old, new, leave, 0, 8, opt)
-            t1 = time.perf_counter()
-            t2 = time.perf_counter()
-            c2 = time.process_time()
-            p = plan(inputs)
-            t3 = time.perf_counter()
-            c3 = time.process_time()
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            print(f"{opt:11} {model:8} {old!s:>12} {new!s:>12} {old.world_size:>7} "
-                  f"{t1 - t0:8.2f} {t3 - t2:7.2f} {c3 - c2:6.2f} {peak / 2**20:8.0f} "
-                  f"{p.stats['moved_bytes'] / 2**30:9.1f} {p.stats['messages']:>8}", flush=True)
+        for pattern in patterns:
+            for idx, (_, old, _) in enumerate(CASES[pattern]):
+                if old.world_size > args.max_devices:
+                    continue
+                out = subprocess.run([sys.executable, __file__, "--one", opt, pattern, str(idx)],
+                                     capture_output=True, text=True, check=True).stdout
+                r = json.loads(out.strip().splitlines()[-1])
+                print(f"{opt:11} {pattern:7} {r['model']:8} {r['from']:>12} {r['to']:>12} "
+                      f"{r['devices']:>7} {r['inputs_s']:8.2f} {r['plan_s']:7.2f} "
+                      f"{r['cpu_s']:6.2f} {r['rss_MiB']:8.0f} {r['moved_GiB']:9.1f} "
+                      f"{'yes' if r['at_lower_bound'] else 'NO':>6} {r['messages']:>8} "
+                      f"{r['rounds']:>6}", flush=True)
 
 
 if __name__ == "__main__":

@@ -69,3 +69,92 @@ def test_leave_join_leave_matches_reference(redis_url: str, run_id: str, tmp_pat
     assert len(migrations) == len(gens) - 1
     assert all(m["pause_seconds"] is not None for m in migrations)
     assert any(m["moved_bytes"] > 0 for m in migrations)  # the joiners received replicas
+
+
+def test_operator_resize_is_carried_out_at_the_next_boundary(redis_url: str, run_id: str,
+                                                             tmp_path: Path) -> None:
+    """`etcslurm resize --run RUN --to tp1pp1dp2` on a running run: the next step boundary
+    resizes to that layout (the other two workers become standbys), losses stay equal to
+    a run that never resized, everyone exits 0."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from etcslurm.coord.client import connect
+    from etcslurm.coord.coordinator import Coordinator
+
+    steps = 12
+    opts = DemoOptions(workers=4, steps=steps, schedule="", redis=redis_url, run_id=run_id,
+                       run_dir=str(tmp_path), keep_keys_s=5, min_step_seconds=1.0)
+    box: dict[str, object] = {}
+    runner = threading.Thread(target=lambda: box.update(result=run_demo(opts)), daemon=True)
+    runner.start()
+    coord = Coordinator(connect(redis_url), run_id)
+    last, step, deadline = "0", 0, time.monotonic() + 300
+    while step < 2 and time.monotonic() < deadline and runner.is_alive():
+        for ev in coord.read_events(last, block_ms=500):
+            last = ev["id"]
+            if ev["type"] == "step":
+                step = max(step, int(ev["data"]["step"]))
+    assert step >= 2, "the run did not start training"
+    asked_at = step
+    proc = subprocess.run([sys.executable, "-m", "etcslurm", "resize", "--run", run_id,
+                           "--redis", redis_url, "--to", "tp1pp1dp2", "--json"],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["request"]["to"] == "tp1pp1dp2"
+    runner.join(timeout=900)
+    result = box["result"]
+    gens = result.generations
+    assert [g["to"] for g in gens] == ["tp1pp1dp4", "tp1pp1dp2"], gens
+    assert asked_at <= gens[1]["step"] <= asked_at + 3  # the next boundary or so
+    assert len(gens[1]["idle"]) == 2 and not gens[1]["leaving"]
+    assert result.loss_match, result.max_loss_diff
+    assert all(code == 0 for code in result.exit_codes.values()), result.exit_codes
+    assert pids_alive(result.pids) == []
+
+
+def test_a_builder_of_our_own_resizes_twice_from_the_live_state(redis_url: str, run_id: str,
+                                                                tmp_path: Path) -> None:
+    """A builder written here (tests/custom_workers.py: a Llama-style model whose shapes
+    are not the run's spec, distributed optimizer) resizes twice: the plans come from the
+    live state, and the losses equal a run that never resized."""
+    opts = DemoOptions(workers=4, steps=10, schedule="2:leave=1;5:leave=1",
+                       optimizer="distributed", redis=redis_url, run_id=run_id,
+                       run_dir=str(tmp_path), keep_keys_s=5, min_step_seconds=1.0,
+                       worker_module="tests.custom_workers", worker_args=("--builder", "own"))
+    result = run_demo(opts)
+    assert [g["to"] for g in result.generations] == ["tp1pp1dp4", "tp1pp1dp3", "tp1pp1dp2"]
+    assert result.loss_match, result.max_loss_diff
+    assert all(m["moved_bytes"] > 0 for m in result.migrations), result.migrations
+    assert all(code == 0 for code in result.exit_codes.values()), result.exit_codes
+
+
+def test_a_model_etcslurm_cannot_describe_is_refused_at_start(redis_url: str, run_id: str,
+                                                              tmp_path: Path) -> None:
+    """A builder whose model etcslurm cannot describe stops the worker before its first
+    step with one line naming the tensor (exit 2), not at its first resize."""
+    import subprocess
+    import sys
+
+    from etcslurm.coord.client import connect
+    from etcslurm.coord.coordinator import Coordinator
+    from etcslurm.core.models import GPTSpec
+    from etcslurm.runtime.config import RunSettings
+
+    coord = Coordinator(connect(redis_url), run_id)
+    coord.ensure_spec(RunSettings(model=GPTSpec.parse("gpt-tiny"), steps=3).to_json())
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.custom_workers", "--builder", "opaque", "--run", run_id,
+             "--redis", redis_url, "--run-dir", str(tmp_path), "--join-timeout", "120"],
+            capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        ours = [line for line in proc.stderr.splitlines() if line.startswith("etcslurm")]
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert len(ours) == 1, ours
+        assert "cannot be made elastic" in ours[0] and "final_layernorm" in ours[0], ours[0]
+        assert not list(tmp_path.glob("data-*.jsonl")) or all(
+            not p.read_text() for p in tmp_path.glob("data-*.jsonl")), "no step may run"
+    finally:
+        coord.end_run()

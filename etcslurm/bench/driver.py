@@ -59,10 +59,14 @@ class MigrateRequest:
     #: slices of at least this many bytes travel as segments of their own (None: the
     #: executor's DIRECT_MIN_BYTES; tests lower it so a tiny model's tensors do too)
     direct_min_bytes: int | None = None
+    #: params dtype (``bf16``/``fp32``); None: the model's own
+    dtype: str | None = None
 
     def spec(self) -> GPTSpec:
         spec = GPTSpec.parse(self.model)
         changes: dict[str, Any] = {"vocab": spec.padded_vocab(VOCAB_TP_MULTIPLE)}
+        if self.dtype is not None:
+            changes["dtype"] = self.dtype
         if self.seq is not None:
             changes["seq"] = self.seq
         return replace(spec, **changes)
@@ -175,6 +179,7 @@ def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, An
     )
     out: dict[str, Any] = {
         "model": request.model,
+        "dtype": spec.dtype,
         "params": spec.num_params(1),
         "from": request.source,
         "to": request.target,

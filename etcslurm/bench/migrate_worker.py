@@ -155,7 +155,8 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
     # must be identical (the analytic model describes megatron-core's state exactly)
     analytic_inputs = gpt_inputs(spec, old, new, leaving=[str(r) for r in leave],
                                  joiners=n_join, optimizer=optimizer,
-                                 staging_bytes=int(c["plan_staging_bytes"]))
+                                 staging_bytes=int(c["plan_staging_bytes"]),
+                                 params_dtype=spec.dtype)
     plan = core_plan(analytic_inputs)
     if plan.missing:
         raise StateLostError(f"pieces with no holder: {sorted(plan.missing)[:3]}")
@@ -324,12 +325,12 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
 
 
 def _same_plan(a: Any, b: Any) -> bool:
-    """Two plans move the same slices between the same devices and copy the same ones
-    locally (the order of slices and their packing into rounds follow the order in which
-    the pieces were described, which differs between megatron-core and the analytic
-    model)."""
+    """Two plans deliver the same slices to the same devices from elsewhere, copy the same
+    ones locally and move as many bytes (the order of slices, their packing into rounds
+    and the choice between equally good replicas follow the order in which the pieces
+    were described, which differs between megatron-core and the analytic model)."""
     def moves(p: Any) -> tuple[Any, ...]:
-        sent = sorted((m.src, m.dst, s) for m in p.messages for s in m.slices)
+        sent = sorted((m.dst, s) for m in p.messages for s in m.slices)
         local = sorted((d, s) for d, slices in p.local.items() for s in slices)
         missing = sorted((d, s) for d, slices in p.missing.items() for s in slices)
         return (list(p.assignment), sent, local, missing, sorted(p.idle))

@@ -28,6 +28,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--leave", default="", help="old ranks that leave, e.g. 6-7 or 3,5")
     p.add_argument("--join", type=int, default=0, metavar="N", help="devices that join")
     p.add_argument("--optimizer", choices=("adam", "distributed"), default="adam")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="params dtype (default: the model's own; bf16 keeps fp32 main params "
+                        "and moments in the optimizer)")
     p.add_argument("--repeat", type=int, default=3, help="timed repetitions of each path")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint folder (default: local temp)")
     p.add_argument("--steps-before", type=int, default=2)
@@ -56,7 +59,7 @@ def _request(args: argparse.Namespace) -> Any:
         steps_before=args.steps_before, steps_after=args.steps_after, seq=args.seq,
         global_batch=args.global_batch, staging_mb=args.staging_mb,
         reference=args.reference, verify_global=not args.no_verify_global,
-        timeout=args.timeout,
+        timeout=args.timeout, dtype=args.dtype,
     )
     req.validate()
     return req

@@ -29,6 +29,8 @@ def register(sub: Any) -> None:
     p.add_argument("--model", default="gpt-tiny",
                    help="model preset or spec layers=..,hidden=..,heads=..,vocab=..,seq=.. "
                         "(default gpt-tiny)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="params dtype (default: the model's own)")
     p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     p.add_argument("--schedule", default="15:leave=1;30:join=2;45:leave=2",
                    help="resizes as STEP:leave=N / STEP:join=N / STEP:kill=N, ';'-separated "
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from etcslurm.runtime.launcher import DemoOptions, LocalRun, run_demo
 
     opts = DemoOptions(
-        workers=args.workers, model=args.model, steps=args.steps, schedule=args.schedule,
+        workers=args.workers, model=args.model, dtype=args.dtype, steps=args.steps, schedule=args.schedule,
         redis=args.redis, password_file=args.password_file, run_dir=args.run_dir,
         run_id=args.run_id,
         optimizer=args.optimizer, global_batch=args.global_batch,

@@ -102,6 +102,9 @@ class BundledRedis:
         ready_timeout: float = 15.0,
         detached: bool = False,
         maxmemory_mb: int = 0,
+        password: str | None = None,
+        replica_of: tuple[str, int] | None = None,
+        announce_ip: str | None = None,
     ) -> None:
         self.run_dir = Path(run_dir).resolve()
         self.host = host
@@ -112,7 +115,10 @@ class BundledRedis:
         self.detached = detached
         self.maxmemory_mb = maxmemory_mb
         self.proc: subprocess.Popen[bytes] | None = None
-        self.password = ""
+        self.password = password or ""
+        #: (host, port) of the primary this server replicates (``None``: a primary)
+        self.replica_of = replica_of
+        self.announce_ip = announce_ip
         self._atexit = False
 
     # -- paths ------------------------------------------------------------------------
@@ -155,7 +161,7 @@ class BundledRedis:
             raise UsageError(f"run directory {self.run_dir} is not usable: {exc.strerror}") from None
         if not self.password:
             self.password = secrets.token_urlsafe(24)
-            write_private(self.password_file, self.password + "\n")
+        write_private(self.password_file, self.password + "\n")
         fixed_port = self.port != 0
         for attempt in range(5):
             if not fixed_port:
@@ -219,6 +225,17 @@ class BundledRedis:
         ]
         if self.maxmemory_mb:
             lines.append(f"maxmemory {self.maxmemory_mb}mb")
+        lines += [
+            # replication (a replicated coordinator: every site may become the primary)
+            f"masterauth {self.password}",
+            "repl-diskless-sync yes",
+            "repl-diskless-sync-delay 0",  # a new replica syncs at once
+            "replica-read-only yes",
+        ]
+        if self.replica_of is not None:
+            lines.append(f"replicaof {self.replica_of[0]} {self.replica_of[1]}")
+        if self.announce_ip:
+            lines.append(f"replica-announce-ip {self.announce_ip}")
         write_private(self.run_dir / CONFIG_FILE, "\n".join(lines) + "\n")
 
     def _spawn(self) -> None:
@@ -288,6 +305,8 @@ class BundledRedis:
             "password_file": str(self.password_file),
             "executable": self.executable,
             "persist": self.persist,
+            "role": "replica" if self.replica_of else "primary",
+            "replica_of": list(self.replica_of) if self.replica_of else None,
         }
         write_private(self.run_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
 

@@ -594,37 +594,11 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPl
         frag_cache[key] = hit
         return hit
 
-    send_load: dict[str, int] = defaultdict(int)
-    # least-loaded holder: one lazy heap of (load, device key, device) per holder set and
-    # per (holder set, node).  Loads only grow, so an entry whose load is out of date is
-    # too small: it surfaces first and is refreshed in place (same choice as a linear
-    # ``min`` over the holders by (other node, load, device key), in O(log holders))
-    heaps: dict[tuple[int, str | None], list[tuple[int, tuple[int, int], str]]] = {}
-
-    def _heap(s: int, node: str | None, cands: list[str]) -> list:
-        h = heaps.get((s, node))
-        if h is None:
-            members = cands if node is None else [d for d in cands if nodes[d] == node]
-            h = [(send_load[d], dev_key[d], d) for d in members]
-            heapq.heapify(h)
-            heaps[(s, node)] = h
-        return h
-
-    def pick(s: int, cands: list[str], node: str, nbytes: int) -> str:
-        h = _heap(s, node, cands)
-        if not h:
-            h = _heap(s, None, cands)
-        while True:
-            load, key, d = h[0]
-            cur = send_load[d]
-            if load == cur:
-                break
-            heapq.heapreplace(h, (cur, key, d))
-        send_load[d] = cur + nbytes
-        heapq.heapreplace(h, (cur + nbytes, key, d))
-        return d
-
+    picker = _SourcePicker(inputs.nodes, dev_key)
+    send_load = picker.load
+    pick = picker.pick
     pairs: dict[tuple[str, str], list[Piece]] = defaultdict(list)
+    pair_bytes: dict[tuple[str, str], int] = defaultdict(int)
     local_out: dict[str, list[Piece]] = {}
     missing_out: dict[str, list[Piece]] = {}
     local_bytes = missing_bytes = 0
@@ -653,7 +627,9 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPl
                     send_load[src] += nbytes
                 else:
                     src = pick(s, cands, node, nbytes)
-                pairs[(src, d)].append(frag)
+                pair = (src, d)
+                pairs[pair].append(frag)
+                pair_bytes[pair] += nbytes
     need_bytes = sum(new.class_bytes[c] for c in inputs.new_rank_class)
 
     # ---- coalesce, split under the cap, schedule rounds
@@ -661,6 +637,10 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPl
     chunks: list[tuple[str, str, list[Piece], int]] = []
     for (src, dst) in sorted(pairs, key=lambda sd: (dev_key[sd[0]], dev_key[sd[1]])):
         slices = sorted(pairs[(src, dst)], key=_piece_order)
+        total = pair_bytes[(src, dst)]
+        if total <= cap:  # one message, no slice split (each is at most the total)
+            chunks.append((src, dst, slices, total))
+            continue
         cur: list[Piece] = []
         cur_bytes = 0
         for sl in slices:
@@ -714,6 +694,53 @@ def _check_assignment(inputs: PlanInputs, assignment: list[str]) -> None:
     bad = [d for d in assignment if d not in available]
     if bad or len(set(assignment)) != len(assignment):
         raise UsageError(f"assignment {assignment} uses unavailable or repeated devices {bad}")
+
+
+class _SourcePicker:
+    """Chooses the source of each remote slice: among its holders ``cands`` (sorted by
+    device key), the least loaded (bytes given to send so far) on the receiver's node,
+    else the least loaded anywhere; ties to the lowest device key.  The same choice as
+    ``min(cands, key=lambda h: (nodes[h] != node, load[h], dev_key[h]))``, which was
+    O(holders) per slice -- quadratic when whole stages leave and every receiver picks
+    among all DP replicas of a stage.
+
+    Here: one lazy heap of (load, device key, device) per holder set and per (holder set,
+    node).  Loads only grow, so an entry whose load is out of date is too small: it
+    surfaces first and is refreshed in place; O(log holders) per slice.
+    """
+
+    def __init__(self, nodes: dict[str, str], dev_key: dict[str, tuple[int, int]]):
+        self.nodes = nodes
+        self.dev_key = dev_key
+        self.load: dict[str, int] = defaultdict(int)
+        self.heaps: dict[tuple[int, str | None], list[tuple[int, tuple[int, int], str]]] = {}
+
+    def _heap(self, s: int, node: str | None, cands: list[str]) -> list:
+        h = self.heaps.get((s, node))
+        if h is None:
+            nodes, load, key = self.nodes, self.load, self.dev_key
+            members = cands if node is None else [d for d in cands if nodes[d] == node]
+            h = [(load[d], key[d], d) for d in members]
+            heapq.heapify(h)
+            self.heaps[(s, node)] = h
+        return h
+
+    def pick(self, s: int, cands: list[str], node: str, nbytes: int) -> str:
+        """The source for ``nbytes`` from holder set ``s`` (holders ``cands``) to a device
+        on ``node``; its load grows by ``nbytes``."""
+        h = self._heap(s, node, cands)
+        if not h:
+            h = self._heap(s, None, cands)
+        load = self.load
+        while True:
+            was, key, d = h[0]
+            cur = load[d]
+            if was == cur:
+                break
+            heapq.heapreplace(h, (cur, key, d))
+        load[d] = cur + nbytes
+        heapq.heapreplace(h, (cur + nbytes, key, d))
+        return d
 
 
 def _schedule(chunks: list[tuple[str, str, list[Piece], int]], leaving: Iterable[str],

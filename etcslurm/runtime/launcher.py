@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ LOSS_TOLERANCE = 1e-4
 class DemoOptions:
     workers: int = 4
     model: str = "gpt-tiny"
+    dtype: str | None = None  # params dtype, bf16 or fp32 (None: the model's own)
     steps: int = 60
     schedule: str = "15:leave=1;30:join=2;45:leave=2"
     redis: str | None = None
@@ -89,6 +90,7 @@ class DemoResult:
     leftover_processes: int = 0
     keys_left: int = 0
     pids: list[int] = field(default_factory=list)
+    dtype: str = "float32"
 
     @property
     def max_loss_diff(self) -> float | None:
@@ -109,6 +111,7 @@ class DemoResult:
             "run_id": self.run_id,
             "run_dir": self.run_dir,
             "steps": self.steps,
+            "dtype": self.dtype,
             "steps_done": len(self.losses),
             "final_loss": self.losses.get(max(self.losses)) if self.losses else None,
             "generations": self.generations,
@@ -327,6 +330,8 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
     """Run the elastic demo (and its no-resize reference) end to end."""
     say = progress or (lambda _msg: None)
     spec = GPTSpec.parse(opts.model)
+    if opts.dtype is not None:
+        spec = replace(spec, dtype=opts.dtype)
     events = parse_schedule(opts.schedule, steps=opts.steps)
     active_after(opts.workers, events)
     if opts.workers < 1:
@@ -356,6 +361,7 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
         say(f"run {run_id}: {opts.workers} workers training {spec} for {opts.steps} steps")
         drive(run, events, opts.timeout, on_tick)
         result = run.result
+        result.dtype = spec.dtype
         if opts.reference:
             say("reference run without resizes (1 worker)")
             ref_opts = DemoOptions(**{**opts.__dict__, "workers": 1, "schedule": "",

@@ -15,7 +15,7 @@ import sys
 
 from etcslurm.errors import EtcslurmError, UsageError
 from etcslurm.hooks import Hooks
-from etcslurm.runtime.config import RunSettings, WorkerOptions
+from etcslurm.runtime.config import Builder, RunSettings, WorkerOptions
 
 
 def parser() -> argparse.ArgumentParser:
@@ -73,8 +73,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[RunSettings, WorkerOptio
     return RunSettings.from_json(spec), options
 
 
-def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
-    """Run one worker; ``hooks``: test injection points (``etcslurm.testing.worker``)."""
+def main(argv: list[str] | None = None, hooks: Hooks | None = None,
+         build: Builder | None = None) -> int:
+    """Run one worker; ``build``: the model builder (default: etcslurm's GPT of the run's
+    model), ``hooks``: test injection points (``etcslurm.testing.worker``)."""
     logging.basicConfig(level=os.environ.get("ETCSLURM_LOG", "WARNING"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parser().parse_args(argv)
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
         return exc.exit_code
     from etcslurm.runtime.session import run_worker
 
-    return run_worker(settings, options, hooks=hooks)
+    return run_worker(settings, options, build=build, hooks=hooks)
 
 
 if __name__ == "__main__":
