@@ -59,9 +59,9 @@ def main() -> None:
     table.add_column("notes")
     for i, p in enumerate(pauses):
         m = elastic.migrations[i]
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in (m.get("phases") or {}).items())
         table.add_row(f"elastic resize {m.get('from')} → {m.get('to')}", f"{p:.2f}",
-                      f"moved {m.get('moved_bytes')} B, transfer {m.get('transfer_seconds', 0):.2f} s, "
-                      f"rebuild {m.get('rebuild_seconds', 0):.2f} s")
+                      f"moved {m.get('moved_bytes')} B; phases (s): {phases}")
     table.add_row("restart-and-reload (checkpoint + new processes)", f"{down + restart:.2f}",
                   f"save+exit {down:.2f} s, start+load {restart:.2f} s, "
                   f"resumed at step {resumed_at} (checkpoint generation: {bool(ckpt)})")

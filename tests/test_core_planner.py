@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import defaultdict
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from etcslurm.core import planner as planner_mod
 from etcslurm.core.layout import ParallelConfig, valid_configs
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.planner import MigrationPlan, PlanInputs, gpt_inputs, plan
@@ -188,3 +190,106 @@ def test_state_whose_holders_are_all_gone_is_missing():
     check_plan(inputs, p)
     stage1 = sum(q.nbytes for q in inputs.new_pieces(inputs.new_rank_class[1]))
     assert p.stats["missing_bytes"] == stage1 and p.missing
+
+
+# ---------------------------------------------------------------- issue 17: fast = reference
+# The planner's fast parts against the straightforward versions they replaced: the same
+# plan JSON, byte for byte.
+class _LinearPicker:
+    """The original source choice: a linear min over the holders per slice."""
+
+    def __init__(self, nodes, dev_key):
+        self.nodes, self.dev_key, self.load = nodes, dev_key, defaultdict(int)
+
+    def pick(self, s, cands, node, nbytes):
+        src = min(cands, key=lambda h: (self.nodes[h] != node, self.load[h], self.dev_key[h]))
+        self.load[src] += nbytes
+        return src
+
+
+def _scan_schedule(chunks, leaving, dev_key=None):
+    """The original first-fit: scan rounds from 0 until sender and receiver are free."""
+    from etcslurm.core.planner import _dev_key
+
+    leaving = set(leaving)
+    order = sorted(range(len(chunks)),
+                   key=lambda k: (chunks[k][0] not in leaving, -chunks[k][3],
+                                  _dev_key(chunks[k][0]), _dev_key(chunks[k][1]), k))
+    sending, receiving, out = defaultdict(set), defaultdict(set), []
+    for k in order:
+        src, dst = chunks[k][0], chunks[k][1]
+        rnd = 0
+        while rnd in sending[src] or rnd in receiving[dst]:
+            rnd += 1
+        sending[src].add(rnd)
+        receiving[dst].add(rnd)
+        out.append((rnd, chunks[k]))
+    return out
+
+
+def reference_plan(inputs: PlanInputs) -> MigrationPlan:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(planner_mod, "_SourcePicker", _LinearPicker)
+        mp.setattr(planner_mod, "_schedule", _scan_schedule)
+        return plan(inputs)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_fast_planner_matches_the_reference(sc):
+    spec, old, new, leave, join, opt, staging, gpn = sc
+    inputs = gpt_inputs(spec, old, new, leave, join, gpn, opt, staging)
+    assert plan(inputs).dumps(with_time=False) == reference_plan(inputs).dumps(with_time=False)
+
+
+@pytest.mark.parametrize("opt", ["adam", "distributed"])
+@pytest.mark.parametrize("staging", [10_000, 10**9])
+def test_stage_leave_matches_the_reference(opt, staging):
+    # the issue-17 hot spot in small: the last pipeline stage leaves, every receiver of
+    # its state picks among all of that stage's DP replicas
+    spec = GPTSpec(layers=8, hidden=32, heads=4, ffn=64, vocab=200, seq=16)
+    old, new = ParallelConfig(2, 4, 8), ParallelConfig(2, 4, 6)
+    leave = [str(r) for r in range(new.world_size, old.world_size)]
+    assert all(old.coord(int(r)).pp == 3 for r in leave)
+    inputs = gpt_inputs(spec, old, new, leave, 0, 4, opt, staging)
+    p = plan(inputs)
+    check_plan(inputs, p)
+    assert p.stats["moved_bytes"] == p.stats["lower_bound_moved_bytes"] > 0
+    assert p.dumps(with_time=False) == reference_plan(inputs).dumps(with_time=False)
+
+
+def test_box_helpers_match_box_intersect():
+    import random
+
+    from etcslurm.core.planner import _common_numel, _meets, _subtract_inside
+    from etcslurm.core.state import box_intersect, box_numel, box_subtract
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        nd = rng.randint(1, 3)
+        a = tuple(sorted(rng.sample(range(8), 2)) for _ in range(nd))
+        b = tuple(sorted(rng.sample(range(8), 2)) for _ in range(nd))
+        a, b = tuple(map(tuple, a)), tuple(map(tuple, b))
+        inter = box_intersect(a, b)
+        assert _meets(a, b) == (inter is not None)
+        assert _common_numel(a, b) == (box_numel(inter) if inter else 0)
+        if inter:
+            assert _subtract_inside(a, inter) == box_subtract(a, b)
+
+
+def test_source_picker_matches_linear_min():
+    import random
+
+    from etcslurm.core.planner import _dev_key, _SourcePicker
+
+    rng = random.Random(1)
+    devs = [str(i) for i in range(40)]
+    nodes = {d: f"n{int(d) // rng.choice([1, 4, 8])}" for d in devs}
+    key = {d: _dev_key(d) for d in devs}
+    sets = [sorted(rng.sample(devs, rng.randint(2, 12)), key=_dev_key) for _ in range(6)]
+    fast, slow = _SourcePicker(nodes, key), _LinearPicker(nodes, key)
+    for _ in range(3000):
+        s = rng.randrange(len(sets))
+        node = f"n{rng.randrange(12)}"
+        nbytes = rng.choice([1, 7, 100, 4096])
+        assert fast.pick(s, sets[s], node, nbytes) == slow.pick(s, sets[s], node, nbytes)

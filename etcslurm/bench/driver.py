@@ -61,6 +61,9 @@ class MigrateRequest:
     direct_min_bytes: int | None = None
     #: params dtype (``bf16``/``fp32``); None: the model's own
     dtype: str | None = None
+    #: also time megatron-core's refit (weights only) and check it against P2P where it
+    #: applies (same world size, nobody leaves or joins; bench/refit.py)
+    refit: bool = True
 
     def spec(self) -> GPTSpec:
         spec = GPTSpec.parse(self.model)
@@ -128,6 +131,7 @@ class MigrateRequest:
             "verify_global": self.verify_global,
             "measure_bandwidth": self.measure_bandwidth,
             "checkpoint": self.checkpoint,
+            "refit": self.refit,
             "async_checkpoint": self.async_checkpoint,
             "timeout": self.timeout,
             "work_dir": str(work_dir),
@@ -253,6 +257,20 @@ def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, An
         out["losses_reference"] = ref
         out["reference_max_abs_diff"] = diff
         out["reference_match"] = diff <= REFERENCE_TOLERANCE
+    # megatron-core's own weights-only resharding (bench/refit.py): timed on the same
+    # case, its weights checked against the P2P model's; None out of its scope
+    refit_s = [r.get("refit_seconds") for r in new]
+    out["refit_seconds"] = refit_s[0] if refit_s and None not in refit_s else None
+    out["refit_warm_seconds"] = new[0].get("refit_warm_seconds") if out["refit_seconds"] else None
+    out["refit_equals_p2p"] = (all(r.get("refit_equals_p2p") for r in new)
+                               if out["refit_seconds"] is not None else None)
+    skipped = sorted({r["refit_skipped"] for r in new if r.get("refit_skipped")})
+    if skipped:
+        out["refit_skipped"] = "; ".join(skipped)
+    refit_bad = [f"{r['device']}: {r['mismatch_refit_vs_p2p']}" for r in new
+                 if r.get("mismatch_refit_vs_p2p")]
+    if refit_bad:
+        out["mismatch_refit_vs_p2p"] = refit_bad
     problems = [
         f"{r['device']}: {r['mismatch_p2p_vs_checkpoint'] or r.get('mismatch_p2p_vs_pre_migration')}"
         for r in new

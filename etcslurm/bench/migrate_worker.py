@@ -284,6 +284,18 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         out["p2p_equals_pre_migration"] = not bad
         out["mismatch_p2p_vs_pre_migration"] = [p.to_json() for p in bad[:5]]
     p2p_live = None
+    # --- refit oracle (bench/refit.py): megatron-core's own weights-only resharding of the
+    # pre-migration weights, timed; its weights must equal the P2P model's bit for bit.
+    # None (+ refit_skipped) out of its scope: one world, nobody leaves or joins.
+    if c.get("refit", True):
+        from etcslurm.bench import refit
+
+        progress("refit")
+        out.update(refit.oracle(
+            spec, old, new, leave, n_join,
+            work / "global" if c.get("verify_global", True) else None,
+            p2p_model.dtype, repeat, p2p_prints, fp=_fingerprint))
+    # --- end refit oracle
     # checkpoint path: build, load (timed, repeat times), compare with P2P, train, free
     ckpt_path = ckpt_root / f"save{repeat - 1}"
     if not use_ckpt:

@@ -42,6 +42,10 @@ def register(subparsers: Any) -> None:
                    help="also train a never-migrated model in the new layout and compare")
     p.add_argument("--no-verify-global", action="store_true",
                    help="skip the independent check against the pre-migration state dump")
+    p.add_argument("--no-refit", action="store_true",
+                   help="skip megatron-core's refit (weights-only resharding), timed and "
+                        "checked against P2P where it applies (same world size, nobody "
+                        "leaves or joins)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per bounded wait")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_migrate)
@@ -59,7 +63,7 @@ def _request(args: argparse.Namespace) -> Any:
         steps_before=args.steps_before, steps_after=args.steps_after, seq=args.seq,
         global_batch=args.global_batch, staging_mb=args.staging_mb,
         reference=args.reference, verify_global=not args.no_verify_global,
-        timeout=args.timeout, dtype=args.dtype,
+        timeout=args.timeout, dtype=args.dtype, refit=not args.no_refit,
     )
     req.validate()
     return req
@@ -139,6 +143,15 @@ def _print_table(r: dict[str, Any]) -> None:
               f"save {r['checkpoint_save_seconds']:.3f} + load {r['checkpoint_load_seconds']:.3f}"
               f"; first save (writer start-up) {r['checkpoint_startup_seconds']:.3f}")
     t.add_row("speedup", f"{r['speedup']:.1f}×", f"state {_fmt_bytes(r['state_bytes'])}")
+    if r.get("refit_seconds") is not None:
+        warm = r.get("refit_warm_seconds")
+        same = "yes" if r.get("refit_equals_p2p") else "[red]NO[/]"
+        t.add_row("refit (weights only)", f"{r['refit_seconds']:.3f}",
+                  "megatron-core resharding.swap_model_weights, gloo, plan + copy"
+                  + (f"; cached plan {warm:.3f}" if warm is not None else "")
+                  + f"; weights = P2P's: {same}")
+    elif r.get("refit_skipped"):
+        t.add_row("refit (weights only)", "-", f"not run: {r['refit_skipped']}")
     if r.get("transport_seconds"):
         t.add_row("transport only", f"{r['transport_seconds']:.3f}",
                   f"the plan's buffers, nothing else; exchange ÷ this "

@@ -349,7 +349,29 @@ class FollowingSentinel(Sentinel):
         self._known = {(str(h), int(p)) for h, p in sentinels}
 
     def discover_master(self, service_name: str) -> tuple[str, int]:
-        addr = super().discover_master(service_name)
+        errors: list[str] = []
+        auth = False
+        addr: tuple[str, int] | None = None
+        for i, s in enumerate(list(self.sentinels)):
+            kw = s.connection_pool.connection_kwargs
+            where = f"Sentinel {kw.get('host')}:{kw.get('port')}"
+            try:
+                state = s.sentinel_masters().get(service_name)
+            except (rexc.ConnectionError, rexc.TimeoutError) as exc:
+                auth = auth or isinstance(exc, rexc.AuthenticationError)
+                errors.append(f"{where}: {str(exc).strip() or type(exc).__name__}")
+                continue
+            if state and self.check_master_state(state, service_name):
+                self.sentinels[0], self.sentinels[i] = s, self.sentinels[0]
+                addr = (state["ip"], int(state["port"]))
+                break
+            errors.append(f"{where}: no healthy primary for {service_name!r}" if state
+                          else f"{where}: does not monitor {service_name!r}")
+        if addr is None:
+            if auth and all("auth" in e.lower() or "password" in e.lower() for e in errors):
+                raise rexc.AuthenticationError("the Sentinels refused the password")
+            raise MasterNotFoundError(
+                f"no primary found for {service_name!r} ({'; '.join(errors)})")
         try:
             peers = self.sentinels[0].sentinel_sentinels(service_name)
         except rexc.RedisError:

@@ -21,6 +21,15 @@ Typical use by a worker::
 Generation records, events and change requests are the typed records of
 :mod:`etcslurm.coord.records`: what is written is checked, what is read is parsed, and
 an unknown or malformed one raises :class:`~etcslurm.errors.RecordError`.
+
+With a replicated coordinator (``redis+sentinel://`` URL) the writes that decide the run
+— registration and worker states, ``mark_gone``, the generation compare-and-set
+(including ``checkpoint`` records), commits, change requests, ``end_run`` — return only
+once a replica has them (:meth:`~etcslurm.coord.client.CoordClient.decided`, ``WAIT``),
+and :meth:`Coordinator.wait_generation` hands out a record only once a replica has it:
+a failover never forgets a decision anyone acted on.  Heartbeats, events and the
+torch.distributed store are not waited for (see docs/coordinator.md, "Replicated
+coordinator").
 """
 
 from __future__ import annotations
@@ -113,6 +122,8 @@ class Coordinator:
         self.client = client
         self.run_id = schema.check_run_id(run_id)
         self.keys = Keys(run_id)
+        #: the marker written after a deciding write, for WAIT (a few bytes, TTL 60 s)
+        self._ack_key = schema.run_prefix(self.run_id) + "ack"
         self.spec = spec
         self.heartbeat_interval = heartbeat_interval
         self.dead_after = dead_after
@@ -238,7 +249,8 @@ class Coordinator:
         raw = dumps(base, f"{self.keys.workers}[{wid}]", self.max_value_bytes)
         with self._lock:
             self.worker_id, self.info = wid, base
-        self.client.call("register", lambda r: r.hset(self.keys.workers, wid, raw))
+        self.client.decided("register", lambda r: r.hset(self.keys.workers, wid, raw),
+                            self._ack_key)
         self.beat(deadline=None)
         self.emit("worker.registered", **{k: base.get(k) for k in (
             "host", "node", "pid", "device", "address", "slurm_job", "slurm_step")})
@@ -341,8 +353,8 @@ class Coordinator:
             self.info.update(extra)
             self.info["updated_at"] = time.time()
             raw = dumps(self.info, f"{self.keys.workers}[{wid}]", self.max_value_bytes)
-        written = self.client.call("set state", lambda r: self._hset_live(
-            keys=[self.keys.workers, self.keys.ended], args=[wid, raw]))
+        written = self.client.decided("set state", lambda r: self._hset_live(
+            keys=[self.keys.workers, self.keys.ended], args=[wid, raw]), self._ack_key)
         if not int(written):
             self.ended = True
             return
@@ -370,7 +382,7 @@ class Coordinator:
             pipe.multi()
             pipe.hset(key, worker_id, dumps(info, f"{key}[{worker_id}]", self.max_value_bytes))
 
-        self.client.call("mark gone", lambda r: r.transaction(tx, key))
+        self.client.decided("mark gone", lambda r: r.transaction(tx, key), self._ack_key)
         self.emit("worker.gone", worker=worker_id, reason=reason)
 
     def members(self, deadline: float | None = None) -> dict[str, dict[str, Any]]:
@@ -431,10 +443,14 @@ class Coordinator:
         doc = replace(record, published_by=self.worker_id or "operator",
                       published_at=time.time()).to_json()
         raw = dumps(doc, self.keys.gen, self.max_value_bytes)
-        won, _prev = self.client.call(
-            "publish generation",
-            lambda r: self._gen_cas(keys=[self.keys.gen], args=[n - 1, raw]),
-        )
+
+        def _cas(r: Any) -> tuple[int, int]:
+            won, prev = self._gen_cas(keys=[self.keys.gen], args=[n - 1, raw])
+            if not int(won) and int(prev) == n and r.get(self.keys.gen) == raw:
+                return 1, n - 1  # our own write, done before a failover, survived
+            return int(won), int(prev)
+
+        won, _prev = self.client.decided("publish generation", _cas, self._ack_key)
         if int(won):
             self.emit("generation.start", **GenerationStart.of(record).to_json())
         return bool(int(won))
@@ -443,8 +459,9 @@ class Coordinator:
         """Record that every member of ``generation`` has entered it (its state is complete
         everywhere): workers that left the world may go.  One small key, so waiting
         workers poll it cheaply; it only moves forward."""
-        self.client.call("commit generation", lambda r: self._max_set(
-            keys=[self.keys.committed, self.keys.ended], args=[int(generation)]))
+        self.client.decided("commit generation", lambda r: self._max_set(
+            keys=[self.keys.committed, self.keys.ended], args=[int(generation)]),
+            self._ack_key)
 
     def committed_generation(self) -> int:
         """The last committed generation (``-1`` before the first)."""
@@ -465,11 +482,18 @@ class Coordinator:
             raise RecordError(f"coordinator entry {self.keys.gen}: {exc}") from None
 
     def wait_generation(self, after: int, timeout: float) -> GenerationRecord:
-        """Wait until a generation numbered above ``after`` is published; return it."""
+        """Wait until a generation numbered above ``after`` is published; return it.
+
+        With a replicated coordinator the record is returned only once a replica has
+        it (read again behind a ``WAIT``), so no worker acts on a record a failover
+        could still forget.
+        """
         end = time.monotonic() + timeout
         delay = 0.005
         while True:
             rec = self.current_generation()
+            if rec is not None and rec.generation > after and self.client.acks > 0:
+                rec = self._confirmed_generation()
             if rec is not None and rec.generation > after:
                 return rec
             left = end - time.monotonic()
@@ -481,6 +505,22 @@ class Coordinator:
                 )
             time.sleep(min(delay, left))
             delay = min(delay * 2, 0.1)
+
+    def _confirmed_generation(self) -> GenerationRecord | None:
+        """The current generation record, read again and acknowledged by a replica."""
+        key = self.keys.gen
+        raw = self.client.decided(
+            "confirm generation",
+            lambda r: self._get(keys=[key], args=[self.max_value_bytes]),
+            self._ack_key,
+        )
+        doc = loads_dict(raw, key, self.max_value_bytes)
+        if doc is None:
+            return None
+        try:
+            return GenerationRecord.from_json(doc)
+        except RecordError as exc:
+            raise RecordError(f"coordinator entry {key}: {exc}") from None
 
     # ------------------------------------------------------------------ change requests
     def request_change(self, request: ChangeRequest) -> None:
@@ -499,7 +539,8 @@ class Coordinator:
             p.ltrim(self.keys.changes, -1000, -1)
             p.execute()
 
-        self.client.call("request change", _push)
+        # a redo after a failover may queue it twice: merging requests makes that harmless
+        self.client.decided("request change", _push, self._ack_key)
         self.emit("change.requested", **ChangeRequested.of(request).to_json())
 
     def pending_changes(self) -> list[ChangeRequest]:
@@ -626,7 +667,8 @@ class Coordinator:
         self.stop_heartbeat()
         ttl_ms = int(max(keep_s, tombstone_s, 1.0) * 1000)
         marker = dumps({"ts": time.time(), "by": self.worker_id or "operator"}, self.keys.ended)
-        self.client.call("end run", lambda r: r.set(self.keys.ended, marker, px=ttl_ms))
+        self.client.decided("end run", lambda r: r.set(self.keys.ended, marker, px=ttl_ms),
+                            self._ack_key)
         keys = self.run_keys()
 
         def _drop(r: Any) -> None:

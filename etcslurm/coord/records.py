@@ -445,6 +445,10 @@ class MigrationDone(EventData):
     rebuild_seconds: float | None = None
     from_layout: str | None = None
     to_layout: str | None = None
+    #: seconds per phase of the pause on the new rank 0: ``decide`` (signal or boundary →
+    #: the record), then the migration's ``build``, ``group``, ``plan``, ``prepare``,
+    #: ``exchange``, ``commit``
+    phases: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)

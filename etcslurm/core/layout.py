@@ -79,10 +79,7 @@ class ParallelConfig:
         if world_size is not None and self.world_size != world_size:
             out.append(f"{self} needs {self.world_size} devices, not {world_size}")
         if spec is not None:
-            if spec.heads % self.tp:
-                out.append(f"heads={spec.heads} is not divisible by tp={self.tp}")
-            if spec.ffn % self.tp:
-                out.append(f"ffn={spec.ffn} is not divisible by tp={self.tp}")
+            out.extend(spec.tp_problems(self.tp))  # heads, query groups, ffn
             if spec.layers % self.pp:
                 out.append(f"layers={spec.layers} is not divisible by pp={self.pp}")
         return out

@@ -33,7 +33,6 @@ from etcslurm.core.state import (
     Box,
     Piece,
     box_intersect,
-    box_subtract,
     dtype_bytes,
     locate,
 )
@@ -260,6 +259,20 @@ def _common_numel(a: Box, b: Box) -> int:
     return n
 
 
+def _subtract_inside(a: Box, inter: Box) -> list[Box]:
+    """``box_subtract(a, b)`` given ``inter = box_intersect(a, b)`` (not None): the same
+    boxes in the same order, without intersecting again."""
+    out: list[Box] = []
+    rest = list(a)
+    for d, ((lo, hi), (ilo, ihi)) in enumerate(zip(a, inter, strict=True)):
+        if lo < ilo:
+            out.append((*rest[:d], (lo, ilo), *rest[d + 1:]))
+        if ihi < hi:
+            out.append((*rest[:d], (ihi, hi), *rest[d + 1:]))
+        rest[d] = (ilo, ihi)
+    return out
+
+
 # --------------------------------------------------------------------------- index
 class _Index:
     """Distinct pieces of one layout, the set of blocks holding each, a per-key index."""
@@ -285,7 +298,9 @@ class _Index:
                     holders[i].append(b)
             if holders_side:
                 self.block_sets.append(frozenset(pieces))
-                self.block_keys.append(by_key)
+                for lst in by_key.values():  # in Piece order, once (fragments walks them)
+                    lst.sort(key=_piece_order)
+                self.block_keys.append(dict(by_key))
             else:
                 self.block_keys.append(dict.fromkeys(p.key for p in pieces))
         self.block_bytes = [sum(p.nbytes for p in pieces) for pieces in blocks]
@@ -558,8 +573,12 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPl
                 local.append(p)
                 continue
             regions: list[Box] = [p.box]
-            for h in sorted((h for b in rel for h in old.block_keys[b].get(p.key, ())),
-                            key=_piece_order):
+            if len(rel) == 1:
+                held = old.block_keys[rel[0]].get(p.key, ())
+            else:
+                held = sorted((h for b in rel for h in old.block_keys[b].get(p.key, ())),
+                              key=_piece_order)
+            for h in held:
                 nxt: list[Box] = []
                 for r in regions:
                     inter = box_intersect(r, h.box)
@@ -567,7 +586,7 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPl
                         nxt.append(r)
                     else:
                         local.append(Piece(p.key, inter, p.dtype))
-                        nxt.extend(box_subtract(r, h.box))
+                        nxt.extend(_subtract_inside(r, inter))
                 regions = nxt
             if not regions:
                 continue
@@ -580,7 +599,7 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPl
                         nxt.append(r)
                     else:
                         remote.append((Piece(p.key, inter, p.dtype), i))
-                        nxt.extend(box_subtract(r, h.box))
+                        nxt.extend(_subtract_inside(r, inter))
                 regions = nxt
                 if not regions:
                     break

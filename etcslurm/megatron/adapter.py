@@ -79,7 +79,7 @@ def build_empty(
     config: ParallelConfig,
     optimizer: str = "adam",
     seed: int = 1234,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str | None = None,
     hyper: TrainHyper | None = None,
 ) -> Trainee:
     """A model+optimizer for ``config`` whose every tensor will be overwritten by a

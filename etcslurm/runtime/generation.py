@@ -2,10 +2,15 @@
 
 The leader calls :func:`first_generation` or :func:`next_generation` with what the
 coordinator says about the workers (and the operator's pending change request, if any)
-and publishes the resulting :class:`~etcslurm.coord.records.GenerationRecord`.  Every
-participant then replays :func:`plan_inputs` + :func:`etcslurm.core.planner.plan` on the
-same record and gets the same plan, so nothing but this small record travels through
-Redis.  No torch, no Redis here: the decisions are unit-testable and deterministic.
+and publishes the resulting :class:`~etcslurm.coord.records.GenerationRecord`.  The
+decider plans the change from the analytic model of the run's spec
+(:func:`plan_inputs`): that gives the device → new rank assignment it publishes (the
+new world forms and builds its model before any state moves, so ranks must be known
+first) and tells whether state would be lost.  The participants then plan the transfer
+itself from the live state with that assignment (:func:`etcslurm.runtime.migration.live_plan`),
+so a model the analytic description does not match is still migrated exactly.  Nothing
+but this small record travels through Redis.  No torch, no Redis here: the decisions are
+unit-testable and deterministic.
 
 The record's fields are listed in ``coord/records.py`` (and docs/coordinator.md).
 """

@@ -271,7 +271,7 @@ class LocalRun:
                 self.result.migrations.append({
                     k: data.get(k) for k in ("gen", "from", "to", "seconds", "moved_bytes",
                                              "local_bytes", "pause_seconds", "transfer_seconds",
-                                             "rebuild_seconds")
+                                             "rebuild_seconds", "phases")
                 })
             elif kind == "worker.signal":
                 for g in reversed(self.result.generations):

@@ -208,15 +208,17 @@ def resize(ctx: Context, state: State) -> State:
         local_bytes=int(plan_stats.get("local_bytes", 0)),
         sent_bytes=stats.bytes_sent, received_bytes=stats.bytes_received,
     )
+    phases = {name: result.phase(name) for name in result.seconds}
     if ctx.change_started is not None:
         report.pause_seconds = time.perf_counter() - ctx.change_started
+        phases = {"decide": max(0.0, t0 - ctx.change_started), **phases}
     ctx.reports.append(report)
     if new_rank == 0:
         coord.emit("migration.done", gen=gen, seconds=report.seconds,
                    moved_bytes=report.moved_bytes, local_bytes=report.local_bytes,
                    checkpoint_bytes=0, pause_seconds=report.pause_seconds,
                    transfer_seconds=report.transfer_seconds,
-                   rebuild_seconds=report.rebuild_seconds,
+                   rebuild_seconds=report.rebuild_seconds, phases=phases,
                    **{"from": old_layout, "to": record.to_layout})
     ctx.change_started = None
     return State(Phase.ACTIVE)

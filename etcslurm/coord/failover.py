@@ -1,0 +1,291 @@
+"""A replicated coordinator's view and its planned hand-over.
+
+* :func:`topology` — which site holds the primary, its replicas, the Sentinels (what
+  ``etcslurm coordinator sites URL`` prints, and what a growth job asks before it adds
+  a site).
+* :func:`hand_over` — the node hosting the primary got its preemption signal: give the
+  primary to a replica *before* the node goes, without losing a write and without a
+  time where writes fail (they wait, paused, for about a second).
+
+Why Sentinel's failover and not Redis's ``FAILOVER`` command: the Sentinels are what
+clients ask for the primary; after a ``FAILOVER`` they would keep naming the old primary
+(now a replica, answering ``READONLY``) until their own timeout promoted something, an
+outage of ``down-after`` + 20 s.  ``SENTINEL FAILOVER`` moves the Sentinels' view with
+the role.  Writes are paused first (``CLIENT PAUSE WRITE``) until a replica has all of
+them, so the promoted one is complete; the old primary is made a replica of the new one
+and its clients are disconnected, so every client asks Sentinel again at once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from etcslurm.coord.client import CoordClient
+from etcslurm.errors import CoordinatorError, UsageError
+
+
+def _need_sentinel(client: CoordClient) -> Any:
+    if client.sentinel is None or not client.service:
+        raise UsageError(
+            f"{client.url} is a single Redis server: connect with a redis+sentinel:// URL "
+            "to a replicated coordinator"
+        )
+    return client.sentinel
+
+
+def _flags(entry: dict[str, Any]) -> set[str]:
+    raw = entry.get("flags", "")
+    if isinstance(raw, (bytes, str)):
+        raw = (raw.decode() if isinstance(raw, bytes) else raw).split(",")
+    return {str(f) for f in raw}
+
+
+_DOWN = {"s_down", "o_down", "disconnected"}
+
+
+def topology(client: CoordClient) -> dict[str, Any]:
+    """The replicated coordinator as the first answering Sentinel sees it.
+
+    ``primary``: ``[ip, port]``; ``replicas``/``sentinels``: ``{"address", "flags",
+    "up"}`` each (replicas also ``offset``); ``sites``: the primary plus the replicas that
+    are up (as the primary reports them, else as the Sentinels do) — compare it with the
+    target number of sites.
+    """
+    sentinel = _need_sentinel(client)
+    service = client.service
+    errors = []
+    for s in list(sentinel.sentinels):
+        try:
+            master = s.sentinel_master(service)
+            replicas = s.sentinel_slaves(service)
+            peers = s.sentinel_sentinels(service)
+        except redis.RedisError as exc:
+            errors.append(str(exc))
+            continue
+        conn = s.connection_pool.connection_kwargs
+        reps = [{"address": [r["ip"], int(r["port"])], "flags": sorted(_flags(r)),
+                 "up": not (_flags(r) & _DOWN),
+                 "offset": int(r.get("slave-repl-offset", 0) or 0)} for r in replicas]
+        sens = [{"address": [p["ip"], int(p["port"])], "flags": sorted(_flags(p)),
+                 "up": not (_flags(p) & _DOWN)} for p in peers]
+        sens.insert(0, {"address": [conn.get("host"), conn.get("port")], "flags": ["self"],
+                        "up": True})
+        primary_up = not (_flags(master) & _DOWN)
+        known = int(primary_up) + sum(r["up"] for r in reps)
+        sites = known
+        try:  # the primary knows its replicas at once; Sentinels only every 10 s
+            prim = _direct(client, (master["ip"], int(master["port"])), 2.0)
+            try:
+                sites = max(sites, 1 + len(_replication(prim)[1]))
+            finally:
+                prim.close()
+        except redis.RedisError:
+            pass
+        return {
+            "service": service,
+            "primary": [master["ip"], int(master["port"])],
+            "primary_up": primary_up,
+            "replicas": reps,
+            "sentinels": sens,
+            "sites": sites,
+            "known_sites": known,  # as the Sentinels see them (they can fail over to these)
+            "sentinels_up": sum(x["up"] for x in sens),
+            "quorum": int(master.get("quorum", 0) or 0),
+        }
+    raise CoordinatorError(
+        f"no Sentinel of {client.url} answered: {'; '.join(errors) or 'none listed'}")
+
+
+@dataclass(frozen=True)
+class HandOver:
+    """What :func:`hand_over` did: the old and new primary, and how long writes waited."""
+
+    old: tuple[str, int]
+    new: tuple[str, int]
+    paused_s: float
+    total_s: float
+
+
+def _direct(client: CoordClient, address: tuple[str, int], timeout: float) -> redis.Redis:
+    kw = client.redis.connection_pool.connection_kwargs
+    return redis.Redis(host=address[0], port=int(address[1]), username=kw.get("username"),
+                       password=kw.get("password"), socket_timeout=timeout,
+                       socket_connect_timeout=timeout)
+
+
+def _replication(r: redis.Redis) -> tuple[int, list[tuple[str, int, int]]]:
+    info = r.info("replication")
+    offset = int(info.get("master_repl_offset", 0))
+    reps = []
+    for key, val in info.items():
+        if key.startswith("slave") and isinstance(val, dict) and val.get("state") == "online":
+            reps.append((str(val["ip"]), int(val["port"]), int(val.get("offset", 0))))
+    return offset, reps
+
+
+def hand_over(client: CoordClient, *, timeout: float = 20.0, pause_ms: int = 15000,
+              only_if: tuple[str, int] | list[str] | None = None) -> HandOver | None:
+    """Give the primary to a replica now (its node is about to go); returns what moved.
+
+    Steps: pause writes on the primary (``CLIENT PAUSE pause_ms WRITE``: clients wait,
+    they do not fail), wait until a replica has every write, ``SENTINEL FAILOVER``, wait
+    until the Sentinels name the promoted replica and it answers as primary, make the
+    old primary its replica, disconnect the old primary's clients (they ask Sentinel
+    again and reach the new primary), unpause.  ``only_if``: do nothing (return
+    ``None``) unless the primary is at that address — the caller's own site, e.g. the
+    worker on a node being preempted asks for its node's Redis.  Raises
+    :class:`CoordinatorError` if no replica can take over within ``timeout`` s (the
+    writes are unpaused then and the primary stays).
+    """
+    sentinel = _need_sentinel(client)
+    service = client.service
+    t0 = time.monotonic()
+    end = t0 + timeout
+    old = tuple(sentinel.discover_master(service))
+    old = (str(old[0]), int(old[1]))
+    if only_if is not None and (str(only_if[0]), int(only_if[1])) != old:
+        return None
+    prim = _direct(client, old, 5.0)
+    paused_at = time.monotonic()
+    try:
+        prim.execute_command("CLIENT", "PAUSE", int(pause_ms), "WRITE")
+        # a replica with every write (writes are paused: the offset is final)
+        while True:
+            offset, reps = _replication(prim)
+            if any(o >= offset for _h, _p, o in reps):
+                break
+            if time.monotonic() > end:
+                raise CoordinatorError(
+                    f"hand-over of the primary {old[0]}:{old[1]}: no replica caught up within "
+                    f"{timeout:g} s (offset {offset}; replicas {reps})")
+            time.sleep(0.01)
+        last = ""
+        while True:  # a Sentinel that knows a good replica starts the failover
+            started = False
+            for s in list(sentinel.sentinels):
+                try:
+                    s.sentinel_failover(service)
+                    started = True
+                    break
+                except redis.RedisError as exc:  # INPROG, NOGOODSLAVE, unreachable
+                    last = str(exc)
+            if started:
+                break
+            if time.monotonic() > end:
+                raise CoordinatorError(
+                    f"hand-over of the primary {old[0]}:{old[1]}: no Sentinel started a "
+                    f"failover within {timeout:g} s ({last})")
+            time.sleep(0.05)
+        while True:  # the Sentinels name the new primary and it acts as one
+            try:
+                new = tuple(sentinel.discover_master(service))
+                new = (str(new[0]), int(new[1]))
+                if new != old:
+                    r = _direct(client, new, 2.0)
+                    try:
+                        if r.execute_command("ROLE")[0] in (b"master", "master"):
+                            break
+                    finally:
+                        r.close()
+            except redis.RedisError as exc:
+                last = str(exc)
+            if time.monotonic() > end:
+                raise CoordinatorError(
+                    f"hand-over of the primary {old[0]}:{old[1]}: Sentinel did not promote "
+                    f"a replica within {timeout:g} s ({last})")
+            time.sleep(0.02)
+        # the old primary follows the new one; its clients reconnect through Sentinel
+        prim.execute_command("REPLICAOF", new[0], new[1])
+        prim.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        paused_s = time.monotonic() - paused_at
+    finally:
+        try:
+            prim.execute_command("CLIENT", "UNPAUSE")
+        except redis.RedisError:
+            pass
+        prim.close()
+    return HandOver(old=old, new=new, paused_s=paused_s, total_s=time.monotonic() - t0)
+
+
+def reset_sentinels(client: CoordClient) -> int:
+    """``SENTINEL RESET`` on every Sentinel the client knows: they forget departed
+    Sentinels (which would otherwise still count against the majority a failover needs)
+    and replicas, and rediscover the live ones: Sentinels within 2 s (hello messages),
+    replicas at the next ``INFO`` of the primary (up to 10 s, a window in which they
+    cannot fail over).  Returns how many answered."""
+    sentinel = _need_sentinel(client)
+    done = 0
+    for s in list(sentinel.sentinels):
+        try:
+            s.execute_command("SENTINEL", "RESET", client.service)
+            done += 1
+        except redis.RedisError:
+            continue
+    return done
+
+
+def settle(client: CoordClient, sites: int, *, sentinels: int | None = None,
+           timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until the Sentinels know ``sites`` live sites (primary + replicas) and
+    ``sentinels`` (default ``sites``) live Sentinels; returns :func:`topology`.
+
+    Sentinels learn of a new replica from the primary's ``INFO``, every 10 s (fixed in
+    Redis 6.2), and of each other from hello messages every 2 s: a fresh coordinator can
+    fail over about 10 s after its last replica started.
+    """
+    want_sentinels = sites if sentinels is None else sentinels
+    end = time.monotonic() + timeout
+    top: dict[str, Any] = {}
+    while True:
+        try:
+            top = topology(client)
+            if top["known_sites"] >= sites and top["sentinels_up"] >= want_sentinels:
+                return top
+        except (redis.RedisError, CoordinatorError):
+            pass
+        if time.monotonic() > end:
+            raise CoordinatorError(
+                f"coordinator {client.url}: the Sentinels know {top.get('known_sites')} of "
+                f"{sites} sites and {top.get('sentinels_up')} of {want_sentinels} Sentinels "
+                f"are up after {timeout:g} s")
+        time.sleep(0.1)
+
+
+#: Set by the sbatch templates on a node that hosts a coordinator site: its Redis
+#: address (``IP:PORT``) and the node's name.
+SITE_ENV = "ETCSLURM_COORD_SITE"
+SITE_NODE_ENV = "ETCSLURM_COORD_SITE_NODE"
+
+
+def local_site(env: dict[str, str] | None = None) -> tuple[str, int] | None:
+    """The address of the coordinator site on *this* node, from the environment the
+    templates set (``None``: no site here)."""
+    import os
+    import socket
+
+    env = dict(os.environ) if env is None else env
+    site, node = env.get(SITE_ENV, ""), env.get(SITE_NODE_ENV, "")
+    if not site or ":" not in site:
+        return None
+    here = {socket.gethostname(), env.get("SLURMD_NODENAME", "")}
+    if node and node not in here:
+        return None
+    host, _, port = site.rpartition(":")
+    return (host, int(port)) if port.isdigit() else None
+
+
+def hand_over_local(client: CoordClient, *, timeout: float = 20.0,
+                    env: dict[str, str] | None = None) -> HandOver | None:
+    """:func:`hand_over` if this node hosts the primary (the runtime calls it when the
+    node got its preemption signal); ``None`` when there is nothing to do: a single
+    Redis (no Sentinel), no site on this node, or the primary is elsewhere."""
+    if client.sentinel is None:
+        return None
+    site = local_site(env)
+    if site is None:
+        return None
+    return hand_over(client, timeout=timeout, only_if=site)
