@@ -2,13 +2,14 @@
 
 ``examples/pretrain_llama_plain.py`` is a plain megatron-core training loop;
 ``examples/pretrain_llama.py`` is the same loop made elastic with etcslurm (the README,
-"Your own model", shows the diff).  Its own model (megatron-core ``GPTModel``, local layer spec: grouped-query attention,
-SwiGLU, RMSNorm, RoPE, untied output layer), its own optimizer (``get_megatron_optimizer``)
-and LR scheduler, and megatron-core's own data pipeline: ``GPTDataset`` through
-``BlendedMegatronDatasetBuilder`` on a small indexed dataset this script writes
-(``IndexedDatasetBuilder``).  Each step reads the next global batch from the consumed-samples
-counter, in the order of Megatron-LM's pretraining sampler, so a restart at any step
-continues with the next unseen sample.
+"Your own model", shows the diff).  Its own model (megatron-core ``GPTModel``, local layer
+spec: grouped-query attention, SwiGLU, RMSNorm, RoPE, untied output layer), its own
+optimizer (``get_megatron_optimizer``) and LR scheduler, and megatron-core's own data
+pipeline: ``GPTDataset`` through ``BlendedMegatronDatasetBuilder`` on a small indexed
+dataset this script writes (``IndexedDatasetBuilder``).  Each step reads the next global
+batch from the consumed-samples counter, in the order of Megatron-LM's pretraining sampler,
+so after a restart or a resize (any data-parallel size) training continues with the next
+unseen sample.
 
     torchrun --nproc-per-node 2 examples/pretrain_llama_plain.py --layout tp1pp1dp2
     python examples/pretrain_llama.py --run r1 --redis URL --password-file F --workers 2  # x2
@@ -141,7 +142,7 @@ def build_dataset(spec: GPTSpec, seed: int, samples: int, data_dir: str) -> Any:
         if not Path(f"{prefix}.idx").exists():
             gen = torch.Generator().manual_seed(seed)
             builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.int32)
-            for _ in range(max(64, samples * spec.seq // 100)):  # learnable progressions
+            for _ in range(4096):  # documents of 21-200 tokens: learnable progressions
                 n, start, stride = torch.randint(20, 200, (3,), generator=gen).tolist()
                 doc = (start + (stride % 7 + 1) * torch.arange(n)) % (spec.vocab - 1)
                 builder.add_document(torch.cat([doc, torch.tensor([spec.vocab - 1])]), [n + 1])
@@ -160,7 +161,6 @@ def micro_batches(dataset: Any, trainee: Trainee, log: Any) -> Any:
     """This DP rank's micro-batches of the next global batch, from the consumed-samples
     counter (Megatron-LM's pretraining sampler order: micro-batch ``m`` of DP rank ``r``
     holds samples ``consumed + (m·dp + r)·mb ...``), so the data position is the counter."""
-
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mb = trainee.hyper.micro_batch
     first = [trainee.consumed_samples + (m * dp + rank) * mb

@@ -11,6 +11,7 @@ parts run in the multi-process tests (tests/test_runtime_elastic.py, test_faults
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ class FakeCoordinator:
         self.changes: list[ChangeRequest] = []
         self.states: list[tuple[str, dict[str, Any]]] = []
         self.gone: list[str] = []
+        self.client = SimpleNamespace(sentinel=None)  # a single Redis: no hand-over
         self.last_beat_error: BaseException | None = None
         self.last_beat_ok = time.monotonic()
         #: called when a transition waits for a generation that is not there yet: lets a

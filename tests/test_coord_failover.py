@@ -194,3 +194,24 @@ def test_deciding_write_without_a_replica_fails_clearly(tmp_path, run_id):
             coord.register(heartbeat=False)
         assert "\n" not in str(exc.value) and srv.password not in str(exc.value)
         client.close()
+
+
+def test_local_site_from_template_environment():
+    import socket
+
+    here = socket.gethostname()
+    env = {failover.SITE_ENV: "10.0.0.5:6379", failover.SITE_NODE_ENV: here}
+    assert failover.local_site(env) == ("10.0.0.5", 6379)
+    assert failover.local_site({**env, failover.SITE_NODE_ENV: "elsewhere"}) is None
+    assert failover.local_site({}) is None
+
+
+@pytest.mark.redis
+def test_hand_over_local_is_a_no_op_on_a_single_redis(tmp_path):
+    with BundledRedis(tmp_path / "solo") as srv:
+        client = connect(srv.url, srv.password_file)
+        env = {failover.SITE_ENV: f"127.0.0.1:{srv.port}"}
+        assert failover.hand_over_local(client, env=env) is None
+        with pytest.raises(Exception, match="single Redis server"):
+            failover.hand_over(client)
+        client.close()

@@ -402,8 +402,9 @@ class _NoCheckpoint:
 
 class _SlowestClock(PhaseClock):
     """Times each phase as its slowest participant's: between two all-reduces of the
-    exchange group (plan, prepare, exchange), or of the new world (commit).  The build is
-    timed locally (untimed in the report, like the checkpoint path's build)."""
+    exchange group (plan, prepare, exchange), or of the new world (commit).  The build and
+    the group's formation are timed locally (untimed in the report, like the checkpoint
+    path's build)."""
 
     def __init__(self, timeout: float) -> None:
         super().__init__()
@@ -412,7 +413,9 @@ class _SlowestClock(PhaseClock):
     @contextlib.contextmanager
     def phase(self, name: str, migration: Migration) -> Iterator[None]:
         group, new_member = migration.group, migration.trainee is not None
-        if name == "build" or (group is None and not new_member):
+        # forming the world and the exchange group are timed locally (no collective of
+        # their own: members arrive at different times)
+        if name in ("build", "group") or (group is None and not new_member):
             with super().phase(name, migration):
                 yield
             return

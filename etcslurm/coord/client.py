@@ -305,7 +305,7 @@ class CoordClient:
             if time.monotonic() >= end:
                 raise CoordinatorError(
                     f"coordinator at {self.url}: no replica acknowledged {what} within "
-                    f"{limit:.0f} s (WAIT {self.acks}: {got} acknowledged); the primary "
+                    f"{limit:g} s (WAIT {self.acks}: {got} acknowledged); the primary "
                     "has it but a failover now could lose it — check the replica sites "
                     "(`etcslurm coordinator sites URL`)"
                 )

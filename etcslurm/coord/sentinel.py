@@ -271,13 +271,17 @@ class Site:
 
     def start(self) -> Site:
         self.redis.start()
-        if self.want_sentinel:
-            monitor = self.monitor or self.redis.replica_of or self.address
-            self.sentinel = BundledSentinel(
-                self.site_dir, monitor, self.redis.password,
-                **self._sentinel_args,  # type: ignore[arg-type]
-            ).start()
-        self._write_state()
+        try:
+            if self.want_sentinel:
+                monitor = self.monitor or self.redis.replica_of or self.address
+                self.sentinel = BundledSentinel(
+                    self.site_dir, monitor, self.redis.password,
+                    **self._sentinel_args,  # type: ignore[arg-type]
+                ).start()
+            self._write_state()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:

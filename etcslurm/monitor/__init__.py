@@ -4,5 +4,4 @@
 * :mod:`etcslurm.monitor.render` — rich renderables; ``render_run(view) -> str``.
 * :mod:`etcslurm.monitor.source` — reading a run through the coordinator API.
 * :mod:`etcslurm.monitor.live` — the refresh loop (rich Live / plain lines).
-* :mod:`etcslurm.monitor.scenario` — a scripted resize for tests, docs and trying it out.
 """

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -69,10 +71,26 @@ class Boundary:
             self.trap = None
 
     def on_signal(self, event: Any) -> None:
-        """The trap's callback (watcher thread): only record; the boundary acts on it."""
+        """The trap's callback (watcher thread): record it (the boundary acts on it), and
+        if this node hosts the coordinator's primary, hand the primary to a replica now,
+        before the node goes (one worker per node; a no-op on a single Redis)."""
         if self.signal_at is None:
             self.signal_at = time.perf_counter()
             self.signal_event = event
+            if os.environ.get("SLURM_LOCALID", "0") == "0":
+                threading.Thread(target=self._hand_over, name="etcslurm-hand-over",
+                                 daemon=True).start()
+
+    def _hand_over(self) -> None:
+        from etcslurm.coord.failover import hand_over_local
+
+        try:
+            done = hand_over_local(self.coord.client)
+        except EtcslurmError as exc:  # the run goes on with Sentinel's own failover
+            log.warning("coordinator hand-over failed: %s", exc)
+            return
+        if done is not None:
+            log.info("coordinator primary handed over: %s", done)
 
     @property
     def signalled(self) -> bool:

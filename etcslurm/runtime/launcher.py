@@ -305,10 +305,21 @@ def drive(run: LocalRun, events: tuple[ScheduledEvent, ...], timeout: float,
     """Apply the schedule as the run reaches each step; return when every worker exited."""
     pending = list(events)
     end = time.monotonic() + timeout
+    # a worker that failed (not one the schedule killed): the others get the time a failure
+    # takes to show (they recover, or stop too); then the run is stopped, not waited out
+    grace = 2 * run.opts.dead_after + 2 * run.opts.collective_timeout + 30
+    failed_at: float | None = None
     while run.alive():
-        if time.monotonic() > end:
+        now = time.monotonic()
+        if now > end:
             raise WaitTimeout(f"demo run {run.run_id} did not finish within {timeout:g} s "
                               f"(at step {run.step})")
+        if failed_at is None and any(wp.proc.poll() not in (0, None) and not wp.killed
+                                     for wp in run.procs):
+            failed_at = now
+        if failed_at is not None and now - failed_at > grace:
+            run.stop_all()
+            break
         run.poll_events()
         while pending and run.step >= pending[0].step and run.record is not None:
             run.apply(pending.pop(0))

@@ -181,7 +181,7 @@ class Migration:
                 self.trainee = self.form_and_build(job.generation, job.layout, job.new_rank)
         self.needed = _local_state(self.trainee)
         try:
-            with _peer_phase("group"):
+            with clock.phase("group", self), _peer_phase("group"):
                 self.group = groups.exchange_group(
                     self.store, job.generation, job.members.index(job.me), len(job.members),
                     timeout=self.group_timeout)

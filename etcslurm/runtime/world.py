@@ -58,6 +58,11 @@ class World:
         init_parallel(layout, rank, layout.world_size, self.store, generation=f"{generation}t",
                       timeout_s=self.options.collective_timeout)
         trainee = self.build(self.settings.model, layout, self.settings)
+        # torch Adam creates its state lazily at the first step; a migration (or a
+        # checkpoint load) writes into it, so a user's builder need not do this itself
+        from etcslurm.megatron.model import init_optimizer_state
+
+        init_optimizer_state(trainee)
         self.build_seconds = max(self.build_seconds, time.perf_counter() - t0)
         return trainee
 

@@ -1,0 +1,438 @@
+"""One resize's coordinator work with N simulated workers, through the runtime's own code.
+
+Real Redis (a private ``redis-server`` on 127.0.0.1, port picked at random, stopped at the
+end; or ``--redis URL``), one :class:`~etcslurm.coord.coordinator.Coordinator` handle and
+one thread per simulated worker (heartbeat threads off), all in this process.  A world of
+N workers (``tp1pp1dpN``, gpt-tiny) loses its last k workers (``--leave``, default N/8)
+and shrinks to ``tp1pp1dp(N-k)``.  Phases, each started on all workers at once and timed
+until the slowest worker is done:
+
+* ``announce``: the k leavers announce, as ``Boundary.announce_leaving`` does
+  (``worker.signal`` event, ``Coordinator.leave``: state ``leaving`` + a drain request).
+* ``boundary poll``: rank 0's poll, as ``ElasticSession._leader_sees_change`` does
+  (``Boundary.world_view`` + ``pending_request`` + ``worth_changing``).
+* ``decide + publish + read``: every worker runs what ``transitions.decide`` runs:
+  ``Boundary.decider`` (every rank), the decider ``transitions.publish_next`` (world view,
+  ``next_generation`` with the planner, the CAS), every worker ``wait_generation``.
+* ``form new world``: the new world's N-k ranks on :class:`~etcslurm.coord.store.RedisStore`
+  the way an NCCL group meets (``migration.rebuild`` event; rank 0 sets the unique id key
+  under the generation's prefix, every other rank ``get``s it, which waits for it).
+* ``form exchange group``: the same for the N members of the exchange (the union).
+* ``enter + commit``: the new world's ranks ``set_state(active)``, rank 0
+  ``commit_generation`` and emits ``migration.done``; the leavers run
+  ``transitions.handed_over`` (they poll ``committed_generation``) until released.
+
+Registration (``Coordinator.register`` of all N) and generation 0 are set up first and
+reported apart (not part of a resize).  Per phase: wall time, Redis server CPU, commands,
+bytes Redis sent, and the client CPU of the workers (sum, and the slowest worker's).
+The client threads share this process's GIL, so a phase whose per-worker client CPU is
+large is slower here than on N hosts; the Redis columns are what every deployment
+shares.  Run: ``python benchmarks/resize_coordinator.py [--workers 64,128,256,512,1024]
+[--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import secrets
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from etcslurm.coord.client import connect
+from etcslurm.coord.coordinator import ACTIVE, Coordinator
+from etcslurm.coord.server import BundledRedis
+from etcslurm.coord.store import RedisStore
+from etcslurm.core.models import PRESETS
+from etcslurm.runtime import transitions
+from etcslurm.runtime.boundary import Boundary
+from etcslurm.runtime.config import RunSettings, WorkerOptions
+from etcslurm.runtime.generation import first_generation, worth_changing
+from etcslurm.runtime.machine import Phase, State
+
+PHASES = ("announce", "boundary poll", "decide + publish + read", "form new world",
+          "form exchange group", "enter + commit")
+#: bytes of an NCCL unique id (what rank 0 puts in the store)
+UNIQUE_ID_BYTES = 128
+
+
+@dataclass
+class PhaseStats:
+    wall_s: float = 0.0
+    redis_cpu_s: float = 0.0
+    redis_calls: int = 0
+    redis_out_bytes: int = 0
+    client_cpu_sum_s: float = 0.0
+    client_cpu_max_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def _redis_snapshot(r: Any) -> tuple[float, int, int]:
+    """(server CPU seconds, commands processed, bytes sent to clients)."""
+    cpu = r.info("cpu")
+    stats = r.info("stats")
+    return (float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]),
+            int(stats["total_commands_processed"]), int(stats["total_net_output_bytes"]))
+
+
+class Simulation:
+    """N worker threads that run one phase at a time, all released together."""
+
+    def __init__(self, n: int, url: str, leave: int, model: str) -> None:
+        self.n = n
+        self.k = leave
+        self.client = connect(url, max_connections=max(256, 2 * n + 64))
+        self.admin = self.client.redis
+        self.run_id = f"rc{n}-{secrets.token_hex(3)}"
+        self.settings = RunSettings(
+            model=PRESETS[model], optimizer="adam",
+            global_batch=math.lcm(n, n - leave), micro_batch=1, initial_workers=n,
+            gpus_per_node=8,
+        )
+        self.options = WorkerOptions(run_id=self.run_id, redis_url=url, node="sim",
+                                     heartbeat_interval=60.0, dead_after=600.0,
+                                     collective_timeout=60.0, decide_timeout=300.0)
+        spec = self.settings.to_json()
+        self.coords = [Coordinator(self.client, self.run_id, spec=spec, heartbeat_interval=60,
+                                   dead_after=600) for _ in range(n)]
+        self.ctxs: list[Any] = []
+        self.barrier = threading.Barrier(n + 1)
+        self.errors: list[str] = []
+        self.record0: Any = None
+        self.record1: Any = None
+        self.stores: list[RedisStore] = []
+        #: per worker: (start, end, thread CPU) of the current phase
+        self.times: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)] * n
+        self.marks: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ machinery
+    def _worker(self, i: int, jobs: list[Callable[[int], None]]) -> None:
+        for job in jobs:
+            try:
+                self.barrier.wait()
+            except threading.BrokenBarrierError:
+                return
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                job(i)
+            except Exception:
+                with self._lock:
+                    self.errors.append(f"worker {i}: {traceback.format_exc()}")
+                self.barrier.abort()
+                return
+            self.times[i] = (t0, time.perf_counter(), time.thread_time() - c0)
+            try:
+                self.barrier.wait()
+            except threading.BrokenBarrierError:
+                return
+
+    def _mark(self, name: str, value: float) -> None:
+        with self._lock:
+            self.marks.setdefault(name, []).append(value)
+
+    def run(self) -> dict[str, PhaseStats]:
+        jobs: list[tuple[str, Callable[[int], None]]] = [
+            ("register", self.register), ("generation 0", self.enter_first),
+            ("announce", self.announce), ("boundary poll", self.boundary_poll),
+            ("decide + publish + read", self.decide), ("form new world", self.form_world),
+            ("form exchange group", self.form_exchange), ("enter + commit", self.commit),
+        ]
+        threads = [threading.Thread(target=self._worker, args=(i, [j for _, j in jobs]),
+                                    daemon=True, name=f"sim-w{i}") for i in range(self.n)]
+        for t in threads:
+            t.start()
+        out: dict[str, PhaseStats] = {}
+        for name, _ in jobs:
+            self.marks = {}
+            before = _redis_snapshot(self.admin)
+            try:
+                self.barrier.wait()  # start
+                self.barrier.wait()  # every worker done
+            except threading.BrokenBarrierError:
+                break
+            after = _redis_snapshot(self.admin)
+            starts = [t[0] for t in self.times]
+            ends = [t[1] for t in self.times]
+            cpus = [t[2] for t in self.times]
+            st = PhaseStats(
+                wall_s=max(ends) - min(starts), redis_cpu_s=after[0] - before[0],
+                redis_calls=after[1] - before[1] - 2,  # the two INFO of the snapshot
+                redis_out_bytes=after[2] - before[2],
+                client_cpu_sum_s=sum(cpus), client_cpu_max_s=max(cpus),
+            )
+            t_min = min(starts)
+            for mark, values in self.marks.items():
+                st.extra[mark] = max(values) - t_min if mark.endswith("@") else max(values)
+            out[name] = st
+        for t in threads:
+            t.join(timeout=30)
+        if self.errors:
+            raise RuntimeError(f"{len(self.errors)} simulated workers failed; first:\n"
+                               f"{self.errors[0]}")
+        return out
+
+    def close(self) -> None:
+        try:
+            self.coords[0].end_run()
+        finally:
+            self.client.close()
+
+    # ------------------------------------------------------------------ the phases
+    def register(self, i: int) -> None:
+        self.coords[i].register({"device": f"gpu:{i % 8}", "node": f"node{i // 8:04d}"},
+                                heartbeat=False)
+        self.stores_ready = True
+
+    def enter_first(self, i: int) -> None:
+        coord = self.coords[i]
+        if i == 0:  # registered first: the leader publishes generation 0 (untimed setup)
+            workers = [c.worker_id for c in self.coords]
+            nodes = {c.worker_id: c.info["node"] for c in self.coords}
+            assert coord.publish_generation(first_generation(
+                transitions.layout_settings(SimpleNamespace(settings=self.settings)),
+                workers, nodes))
+        record = coord.wait_generation(after=-1, timeout=300)
+        with self._lock:
+            self.record0 = record
+        coord.set_state(ACTIVE, rank=record.rank_of(coord.worker_id), generation=0)
+        boundary = Boundary(coord, self.options)
+        ctx = SimpleNamespace(
+            settings=self.settings, options=self.options, coord=coord, boundary=boundary,
+            worker_id=coord.worker_id, record=record, step=10, trainee=None,
+            holdings=lambda: ({}, {}), forget_holdings=lambda: None,
+        )
+        store = RedisStore(self.client, self.run_id, "pg")
+        with self._lock:
+            self.ctxs.append((i, ctx))
+            self.stores.append((i, store))
+
+    def _ctx(self, i: int) -> Any:
+        return self._ctx_by[i]
+
+    def announce(self, i: int) -> None:
+        if i == 0:  # the lookups the later phases need, built once the setup is done
+            self._ctx_by = dict(self.ctxs)
+            self._store_by = dict(self.stores)
+        if i < self.n - self.k:
+            return
+        coord = self.coords[i]
+        coord.emit("worker.signal", worker=coord.worker_id, node="sim", signal="USR2",
+                   budget_s=60.0, received_at=time.time(), retry_s=0)
+        coord.leave(within=60.0, reason="SIGUSR2")
+
+    def boundary_poll(self, i: int) -> None:
+        if i != 0:
+            return
+        ctx = self._ctx_by[0]
+        settings = transitions.layout_settings(ctx)
+        t0 = time.perf_counter()
+        view = ctx.boundary.world_view(ctx.record, deadline=0)
+        self._mark("world_view (members)", time.perf_counter() - t0)
+        request = ctx.boundary.pending_request(settings, ctx.record, view)
+        changed = worth_changing(settings, ctx.record, leaving=view.leaving, dead=[],
+                                 ready=view.ready, request=request)
+        if not changed or len(view.leaving) != self.k:
+            raise AssertionError(f"the leader saw no change ({len(view.leaving)} leaving)")
+
+    def decide(self, i: int) -> None:
+        ctx = self._ctx_by[i]
+        t0 = time.perf_counter()
+        decider = ctx.boundary.decider(ctx.record)
+        t1 = time.perf_counter()
+        self._mark("decider() done, slowest rank @", t1)
+        if decider == ctx.worker_id:
+            transitions.publish_next(ctx, reason="resize at step boundary")
+            self._mark("publish_next (decider)", time.perf_counter() - t1)
+            self._mark("published @", time.perf_counter())
+        record = ctx.coord.wait_generation(after=ctx.record.generation,
+                                           timeout=self.options.decide_timeout)
+        del t0
+        if i == 0:
+            self.record1 = record
+        ctx.new_record = record
+
+    def _group(self, i: int, members: list[str], prefix: str) -> None:
+        ctx = self._ctx_by[i]
+        if ctx.worker_id not in members:
+            return
+        rank = members.index(ctx.worker_id)
+        store = self._store_by[i]
+        key = f"{prefix}/0"  # what ProcessGroupNCCL's first communicator puts there
+        if rank == 0:
+            store.set(key, os.urandom(UNIQUE_ID_BYTES))
+        else:
+            assert len(store.get(key)) == UNIQUE_ID_BYTES
+
+    def form_world(self, i: int) -> None:
+        ctx = self._ctx_by[i]
+        rec = ctx.new_record
+        rank = rec.rank_of(ctx.worker_id)
+        if rank is None:
+            return
+        ctx.coord.emit("migration.rebuild", gen=rec.generation, worker=ctx.worker_id,
+                       rank=rank)
+        self._group(i, rec.workers_by_rank(), f"gen{rec.generation}t")
+
+    def form_exchange(self, i: int) -> None:
+        rec = self._ctx_by[i].new_record
+        self._group(i, list(rec.union), f"exchange{rec.generation}")
+
+    def commit(self, i: int) -> None:
+        ctx = self._ctx_by[i]
+        rec = ctx.new_record
+        rank = rec.rank_of(ctx.worker_id)
+        if rank is None:  # a leaver: wait for the commit as the runtime does
+            state = transitions.handed_over(ctx, State(Phase.HANDED_OVER, record=rec))
+            assert state.phase is Phase.LEFT, state
+            self._mark("last leaver released @", time.perf_counter())
+            return
+        ctx.coord.set_state(ACTIVE, rank=rank, generation=rec.generation)
+        if rank == 0:
+            ctx.coord.commit_generation(rec.generation)
+            self._mark("committed @", time.perf_counter())
+            ctx.coord.emit("migration.done", gen=rec.generation, seconds=0.0, moved_bytes=0,
+                           local_bytes=0, checkpoint_bytes=0, pause_seconds=0.0,
+                           transfer_seconds=0.0, rebuild_seconds=0.0, phases={},
+                           **{"from": rec.from_layout, "to": rec.to_layout})
+
+
+def measure(n: int, url: str, leave: int | None, model: str) -> dict[str, Any]:
+    k = leave if leave is not None else max(1, n // 8)
+    sim = Simulation(n, url, k, model)
+    try:
+        phases = sim.run()
+        rec = sim.record1
+        assert rec is not None and rec.kind == "resize", rec
+        assert rec.to_layout == f"tp1pp1dp{n - k}", rec.to_layout
+        record_bytes = len(json.dumps(rec.to_json()))
+    finally:
+        sim.close()
+    total = {name: sum(getattr(phases[p], name) for p in PHASES)
+             for name in ("wall_s", "redis_cpu_s", "redis_calls", "redis_out_bytes",
+                          "client_cpu_sum_s", "client_cpu_max_s")}
+    return {
+        "workers": n, "leaving": k, "from": f"tp1pp1dp{n}", "to": rec.to_layout,
+        "record_bytes": record_bytes,
+        "phases": {name: vars(st) for name, st in phases.items()},
+        "resize_total": total,
+    }
+
+
+def _fmt_s(x: float) -> str:
+    return f"{x * 1e3:.0f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _ratios(values: list[float], ns: list[int]) -> str:
+    """The growth per doubling of N, between consecutive sizes (geometric per doubling)."""
+    out = []
+    for (a, na), (b, nb) in zip(zip(values, ns, strict=True), zip(values[1:], ns[1:],
+                                                                   strict=True), strict=False):
+        doublings = math.log2(nb / na)
+        out.append(f"{(b / a) ** (1 / doublings):.1f}" if a > 0 and doublings > 0 else "-")
+    return " ".join(out)
+
+
+def render(results: list[dict[str, Any]], load: tuple[float, float, float]) -> None:
+    console = Console(width=160)
+    ns = [r["workers"] for r in results]
+    title = (f"one resize tp1pp1dpN -> tp1pp1dp(N-k), k = N/8 leaving; coordinator work "
+             f"(wall, N threads in one process; load avg {load[0]:.1f} on {os.cpu_count()} "
+             f"cores)")
+    table = Table(title=title)
+    table.add_column("phase")
+    for n in ns:
+        table.add_column(f"N={n}", justify="right")
+    table.add_column("x per doubling", justify="right")
+    rows = [*PHASES, "resize total"]
+    for name in rows:
+        vals = [(r["resize_total"]["wall_s"] if name == "resize total"
+                 else r["phases"][name]["wall_s"]) for r in results]
+        table.add_row(name, *(_fmt_s(v) for v in vals), _ratios(vals, ns))
+        if name in PHASES:
+            extra_names = list(results[-1]["phases"][name]["extra"])
+            for extra in extra_names:
+                ev = [r["phases"][name]["extra"].get(extra, 0.0) for r in results]
+                table.add_row(f"  {extra}", *(_fmt_s(v) for v in ev), _ratios(ev, ns))
+    reg = [r["phases"]["register"]["wall_s"] for r in results]
+    table.add_row("(setup) register all", *(_fmt_s(v) for v in reg), _ratios(reg, ns))
+    console.print(table)
+
+    t2 = Table(title="the same phases at the Redis server (shared by every deployment) "
+                     "and in the workers' own code")
+    t2.add_column("phase")
+    t2.add_column("what")
+    for n in ns:
+        t2.add_column(f"N={n}", justify="right")
+    t2.add_column("x per doubling", justify="right")
+    for name in rows:
+        get = ((lambda r, key: r["resize_total"][key]) if name == "resize total"
+               else (lambda r, key, name=name: r["phases"][name][key]))
+        for key, label, fmt in (
+            ("redis_cpu_s", "Redis CPU", _fmt_s),
+            ("redis_calls", "Redis commands", lambda v: f"{v:,.0f}"),
+            ("redis_out_bytes", "bytes from Redis", lambda v: f"{v / 2**20:.1f} MiB"),
+            ("client_cpu_sum_s", "worker CPU, sum", _fmt_s),
+            ("client_cpu_max_s", "worker CPU, slowest", _fmt_s),
+        ):
+            vals = [float(get(r, key)) for r in results]
+            t2.add_row(name if key == "redis_cpu_s" else "", label, *(fmt(v) for v in vals),
+                       _ratios(vals, ns))
+        t2.add_section()
+    sizes = [r["record_bytes"] for r in results]
+    t2.add_row("record", "JSON size", *(f"{v / 1024:.0f} KiB" for v in sizes),
+               _ratios([float(s) for s in sizes], ns))
+    console.print(t2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", default="64,128,256,512,1024",
+                    help="comma-separated world sizes N")
+    ap.add_argument("--leave", type=int, help="workers leaving (default N/8)")
+    ap.add_argument("--model", default="gpt-tiny")
+    ap.add_argument("--redis", help="an existing Redis URL with password (default: a private "
+                                    "redis-server started here)")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    args = ap.parse_args()
+    ns = [int(x) for x in args.workers.split(",") if x]
+    results = []
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="etcslurm-rc-") as tmp:
+        server = None
+        url = args.redis
+        if url is None:
+            server = BundledRedis(tmp).start()  # 127.0.0.1, a free port, a fresh password
+            url = server.url_with_password
+        try:
+            for n in ns:
+                if not args.json:
+                    print(f"N={n} ...", file=sys.stderr, flush=True)
+                results.append(measure(n, url, args.leave, args.model))
+        finally:
+            if server is not None:
+                server.stop()
+    load_after = os.getloadavg()
+    if args.json:
+        print(json.dumps({"load_avg_before": load, "load_avg_after": load_after,
+                          "cpus": os.cpu_count(), "results": results}, indent=1))
+    else:
+        render(results, load)
+        print(f"load average before {load[0]:.1f}, after {load_after[0]:.1f} "
+              f"({os.cpu_count()} cores)")
+
+
+if __name__ == "__main__":
+    main()
