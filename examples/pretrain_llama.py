@@ -31,11 +31,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 
-from etcslurm import ElasticSession, RunSettings, WorkerOptions
+from etcslurm import ElasticSession, RunSettings
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
 from etcslurm.megatron.cpu_shim import install_if_needed
-from etcslurm.megatron.model import Trainee, TrainHyper, init_optimizer_state
+from etcslurm.megatron.model import Trainee, TrainHyper
+from etcslurm.runtime.worker import options_from_args
 from etcslurm.runtime.worker import parser as worker_parser
 
 VOCAB_MULTIPLE = 1024  # pad the vocabulary independently of TP (global shapes never change)
@@ -113,10 +114,8 @@ def build(spec: GPTSpec, layout: ParallelConfig, settings: Any) -> Trainee:
         lr_decay_steps=hyper.decay_steps * hyper.global_batch, lr_decay_style="cosine",
         start_wd=hyper.weight_decay, end_wd=hyper.weight_decay,
         wd_incr_steps=hyper.decay_steps * hyper.global_batch, wd_incr_style="constant")
-    trainee = Trainee(model, optimizer, scheduler, spec, layout, settings.optimizer,
-                      settings.seed, torch.float32, hyper)
-    init_optimizer_state(trainee)  # Adam's state now: a migration writes into it
-    return trainee
+    return Trainee(model, optimizer, scheduler, spec, layout, settings.optimizer,
+                   settings.seed, torch.float32, hyper)
 
 
 # ---------------------------------------------------------------------------- data
@@ -231,11 +230,7 @@ def main() -> None:
     log = open(Path(args.run_dir) / f"samples-{os.getpid()}.jsonl", "a")  # noqa: SIM115
     settings = RunSettings(spec, args.optimizer, args.global_batch, args.micro_batch,
                            args.seed, args.steps, args.lr, initial_workers=args.workers)
-    options = WorkerOptions(args.run, args.redis, args.password_file, args.node or os.uname()[1],
-                            args.run_dir, dead_after=args.dead_after, join_timeout=args.join_timeout,
-                            collective_timeout=args.collective_timeout,
-                            min_step_seconds=args.min_step_seconds)
-    with ElasticSession(settings, options, build=build) as session:  # build() for every layout
+    with ElasticSession(settings, options_from_args(args), build=build) as session:  # build() for every layout
         while not session.finished:
             with session.step():  # a peer lost inside the step: recover, then redo the step
                 loss = train_step(session.trainee, dataset, log)

@@ -112,9 +112,8 @@ def build(spec: GPTSpec, layout: ParallelConfig, settings: Any) -> Trainee:
         lr_decay_steps=hyper.decay_steps * hyper.global_batch, lr_decay_style="cosine",
         start_wd=hyper.weight_decay, end_wd=hyper.weight_decay,
         wd_incr_steps=hyper.decay_steps * hyper.global_batch, wd_incr_style="constant")
-    trainee = Trainee(model, optimizer, scheduler, spec, layout, settings.optimizer,
-                      settings.seed, torch.float32, hyper)
-    return trainee
+    return Trainee(model, optimizer, scheduler, spec, layout, settings.optimizer,
+                   settings.seed, torch.float32, hyper)
 
 
 # ---------------------------------------------------------------------------- data

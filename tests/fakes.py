@@ -11,8 +11,8 @@ parts run in the multi-process tests (tests/test_runtime_elastic.py, test_faults
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from etcslurm.coord.records import ChangeRequest, GenerationRecord

@@ -59,7 +59,6 @@ class PlanInputs:
     leaving: list[str] = field(default_factory=list)
     joiners: list[str] = field(default_factory=list)
     staging_bytes: int = 512 * 2**20
-    keep_tp_in_node: bool = False
     tp: int = 1  # new TP size (for the TP-groups-split statistic)
     old_blocks: list[list[Piece]] | None = None
     old_class_blocks: list[list[int]] | None = None
@@ -121,7 +120,6 @@ class PlanInputs:
             "leaving": list(self.leaving),
             "joiners": list(self.joiners),
             "staging_bytes": self.staging_bytes,
-            "keep_tp_in_node": self.keep_tp_in_node,
             "tp": self.tp,
         }
 
@@ -140,7 +138,6 @@ class PlanInputs:
             leaving=list(d["leaving"]),
             joiners=list(d["joiners"]),
             staging_bytes=int(d["staging_bytes"]),
-            keep_tp_in_node=bool(d.get("keep_tp_in_node", False)),
             tp=int(d.get("tp", 1)),
             old_blocks=pieces("old_blocks"),
             old_class_blocks=ints("old_class_blocks"),
@@ -844,8 +841,8 @@ def _split_to_cap(p: Piece, cap: int) -> list[Piece]:
 # --------------------------------------------------------------------------- GPT helper
 def gpt_inputs(
     spec, old, new, leaving=(), joiners: int = 0, gpus_per_node: int = 8,
-    optimizer: str = "adam", staging_bytes: int = 512 * 2**20, params_dtype: str = "float32",
-    keep_tp_in_node: bool = False, vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
+    optimizer: str = "adam", staging_bytes: int = 512 * 2**20, params_dtype: str | None = None,
+    vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
 ) -> PlanInputs:
     """:class:`PlanInputs` for a GPT spec moving from layout ``old`` to ``new``.
 
@@ -874,14 +871,14 @@ def gpt_inputs(
         leaving=sorted({str(int(d)) for d in leaving}, key=int),
         joiners=join_ids,
         staging_bytes=staging_bytes,
-        keep_tp_in_node=keep_tp_in_node,
         tp=new.tp,
     )
 
 
 def plan_for_gpt(spec, old, new, leaving=(), joiners: int = 0, gpus_per_node: int = 8,
                  optimizer: str = "adam", staging_bytes: int = 512 * 2**20,
-                 params_dtype: str = "float32", vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP) -> MigrationPlan:
+                 params_dtype: str | None = None,
+                 vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP) -> MigrationPlan:
     """Convenience: :func:`gpt_inputs` then :func:`plan`."""
     return plan(gpt_inputs(spec, old, new, leaving, joiners, gpus_per_node, optimizer,
                            staging_bytes, params_dtype, vocab_pad_tp=vocab_pad_tp))

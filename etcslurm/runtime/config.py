@@ -90,7 +90,9 @@ class WorkerOptions:
     checkpoint_dir: str | None = None  # where a whole-run preemption writes its checkpoint
     signals: tuple[str, ...] = ("USR2", "TERM")
     leave_budget: float = 60.0  # seconds a signalled worker assumes it has, when unknown
-    log_data: bool = True  # one JSON line per step and DP rank: which samples it trained
+    #: one JSON line per step and DP rank: which samples it trained (etcslurm's own model
+    #: and ``train_step`` only)
+    log_data: bool = True
     min_step_seconds: float = 0.0  # pace steps (demos): joiners get time to arrive
 
 

@@ -141,7 +141,9 @@ class ElasticSession:
         store = RedisStore(self._client, opts.run_id, "pg")
         world = World(store, self.settings, opts, self.build, self.hooks)
         self.ctx = Context(self.settings, opts, coord, world, boundary, worker_id, self.hooks)
-        if opts.log_data:
+        if opts.log_data and self.build is default_builder:
+            # which samples each DP rank trains, by etcslurm's own train_step's rule (a
+            # user's loop with its own data pipeline logs its own positions)
             self._data_log = DataLog(Path(opts.run_dir) / f"data-{worker_id}.jsonl")
         self._run(State(Phase.START))
 

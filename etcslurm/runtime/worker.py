@@ -43,22 +43,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> tuple[RunSettings, WorkerOptions]:
-    """The run settings stored in the coordinator, and this worker's options."""
+def options_from_args(args: argparse.Namespace) -> WorkerOptions:
+    """This worker's options from the flags :func:`parser` defines (a user's own training
+    script can take the same flags: ``parser()`` + ``options_from_args``)."""
     import socket
-
-    from etcslurm.coord.client import connect
-    from etcslurm.coord.coordinator import Coordinator
 
     if not args.run or not args.redis:
         raise UsageError("a worker needs --run and --redis (or ETCSLURM_RUN, ETCSLURM_REDIS_URL)")
-    client = connect(args.redis, args.password_file)
-    spec = Coordinator(client, args.run).run_spec()
-    client.close()
-    if spec is None:
-        raise UsageError(f"run {args.run!r} has no spec in the coordinator: start it with "
-                         "`etcslurm demo` or `etcslurm submit` first")
-    options = WorkerOptions(
+    return WorkerOptions(
         run_id=args.run,
         redis_url=args.redis,
         password_file=args.password_file,
@@ -70,6 +62,20 @@ def config_from_args(args: argparse.Namespace) -> tuple[RunSettings, WorkerOptio
         checkpoint_dir=args.checkpoint_dir,
         min_step_seconds=args.min_step_seconds,
     )
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[RunSettings, WorkerOptions]:
+    """The run settings stored in the coordinator, and this worker's options."""
+    from etcslurm.coord.client import connect
+    from etcslurm.coord.coordinator import Coordinator
+
+    options = options_from_args(args)
+    client = connect(args.redis, args.password_file)
+    spec = Coordinator(client, args.run).run_spec()
+    client.close()
+    if spec is None:
+        raise UsageError(f"run {args.run!r} has no spec in the coordinator: start it with "
+                         "`etcslurm demo` or `etcslurm submit` first")
     return RunSettings.from_json(spec), options
 
 
