@@ -11,9 +11,12 @@ until the slowest worker is done:
   (``worker.signal`` event, ``Coordinator.leave``: state ``leaving`` + a drain request).
 * ``boundary poll``: rank 0's poll, as ``ElasticSession._leader_sees_change`` does
   (``Boundary.world_view`` + ``pending_request`` + ``worth_changing``).
-* ``decide + publish + read``: every worker runs what ``transitions.decide`` runs:
-  ``Boundary.decider`` (every rank), the decider ``transitions.publish_next`` (world view,
-  ``next_generation`` with the planner, the CAS), every worker ``wait_generation``.
+* what ``transitions.decide`` runs, one part after the other: ``Boundary.decider`` on every
+  rank; the decider's ``transitions.publish_next`` (world view, ``next_generation`` with
+  the planner, the CAS); every worker's ``wait_generation``.  In the runtime the waiting
+  workers poll meanwhile (5 ms doubling to 100 ms); the row ``(each wait_generation poll
+  round)`` is what one such round costs (every worker reads and parses the current
+  record), shown apart and not in the total.
 * ``form new world``: the new world's N-k ranks on :class:`~etcslurm.coord.store.RedisStore`
   the way an NCCL group meets (``migration.rebuild`` event; rank 0 sets the unique id key
   under the generation's prefix, every other rank ``get``s it, which waits for it).
@@ -27,7 +30,10 @@ reported apart (not part of a resize).  Per phase: wall time, Redis server CPU, 
 bytes Redis sent, and the client CPU of the workers (sum, and the slowest worker's).
 The client threads share this process's GIL, so a phase whose per-worker client CPU is
 large is slower here than on N hosts; the Redis columns are what every deployment
-shares.  Run: ``python benchmarks/resize_coordinator.py [--workers 64,128,256,512,1024]
+shares, and the row ``est., a host per worker`` adds, per phase, the Redis CPU and the
+slowest worker's own CPU (what the resize would take with every worker on its own host,
+network round trips aside).  ``--save FILE`` keeps the JSON, ``--render FILE`` prints it
+again.  Run: ``python benchmarks/resize_coordinator.py [--workers 64,128,256,512,1024]
 [--json]``.
 """
 
@@ -62,8 +68,11 @@ from etcslurm.runtime.config import RunSettings, WorkerOptions
 from etcslurm.runtime.generation import first_generation, worth_changing
 from etcslurm.runtime.machine import Phase, State
 
-PHASES = ("announce", "boundary poll", "decide + publish + read", "form new world",
-          "form exchange group", "enter + commit")
+PHASES = ("announce", "boundary poll", "decider() on every rank", "publish_next (decider)",
+          "every worker reads the record", "form new world", "form exchange group",
+          "enter + commit")
+#: a diagnostic row, not part of the resize total: one poll of every waiting worker
+POLL = "(each wait_generation poll round)"
 #: bytes of an NCCL unique id (what rank 0 puts in the store)
 UNIQUE_ID_BYTES = 128
 
@@ -147,7 +156,9 @@ class Simulation:
         jobs: list[tuple[str, Callable[[int], None]]] = [
             ("register", self.register), ("generation 0", self.enter_first),
             ("announce", self.announce), ("boundary poll", self.boundary_poll),
-            ("decide + publish + read", self.decide), ("form new world", self.form_world),
+            ("decider() on every rank", self.decider), (POLL, self.poll_round),
+            ("publish_next (decider)", self.publish), ("every worker reads the record", self.read),
+            ("form new world", self.form_world),
             ("form exchange group", self.form_exchange), ("enter + commit", self.commit),
         ]
         threads = [threading.Thread(target=self._worker, args=(i, [j for _, j in jobs]),
@@ -194,7 +205,6 @@ class Simulation:
     def register(self, i: int) -> None:
         self.coords[i].register({"device": f"gpu:{i % 8}", "node": f"node{i // 8:04d}"},
                                 heartbeat=False)
-        self.stores_ready = True
 
     def enter_first(self, i: int) -> None:
         coord = self.coords[i]
@@ -218,9 +228,6 @@ class Simulation:
         with self._lock:
             self.ctxs.append((i, ctx))
             self.stores.append((i, store))
-
-    def _ctx(self, i: int) -> Any:
-        return self._ctx_by[i]
 
     def announce(self, i: int) -> None:
         if i == 0:  # the lookups the later phases need, built once the setup is done
@@ -247,19 +254,42 @@ class Simulation:
         if not changed or len(view.leaving) != self.k:
             raise AssertionError(f"the leader saw no change ({len(view.leaving)} leaving)")
 
-    def decide(self, i: int) -> None:
+    def decider(self, i: int) -> None:
         ctx = self._ctx_by[i]
-        t0 = time.perf_counter()
-        decider = ctx.boundary.decider(ctx.record)
-        t1 = time.perf_counter()
-        self._mark("decider() done, slowest rank @", t1)
-        if decider == ctx.worker_id:
-            transitions.publish_next(ctx, reason="resize at step boundary")
-            self._mark("publish_next (decider)", time.perf_counter() - t1)
-            self._mark("published @", time.perf_counter())
+        ctx.decider = ctx.boundary.decider(ctx.record)
+
+    def poll_round(self, i: int) -> None:
+        """What one ``wait_generation`` poll costs while nothing new is published: every
+        waiting worker reads (and parses) the current record."""
+        rec = self._ctx_by[i].coord.current_generation()
+        assert rec is not None and rec.generation == 0
+
+    def publish(self, i: int) -> None:
+        ctx = self._ctx_by[i]
+        if ctx.decider == ctx.worker_id:
+            real_next, real_view = transitions.next_generation, ctx.boundary.world_view
+
+            def timed(fn: Callable[..., Any], mark: str) -> Callable[..., Any]:
+                def run(*a: Any, **kw: Any) -> Any:
+                    t0 = time.perf_counter()
+                    try:
+                        return fn(*a, **kw)
+                    finally:
+                        self._mark(mark, time.perf_counter() - t0)
+                return run
+
+            transitions.next_generation = timed(real_next, "of which next_generation (plan)")
+            ctx.boundary.world_view = timed(real_view, "of which world_view (members)")
+            try:
+                transitions.publish_next(ctx, reason="resize at step boundary")
+            finally:
+                transitions.next_generation = real_next
+                del ctx.boundary.world_view
+
+    def read(self, i: int) -> None:
+        ctx = self._ctx_by[i]
         record = ctx.coord.wait_generation(after=ctx.record.generation,
                                            timeout=self.options.decide_timeout)
-        del t0
         if i == 0:
             self.record1 = record
         ctx.new_record = record
@@ -356,7 +386,7 @@ def render(results: list[dict[str, Any]], load: tuple[float, float, float]) -> N
     for n in ns:
         table.add_column(f"N={n}", justify="right")
     table.add_column("x per doubling", justify="right")
-    rows = [*PHASES, "resize total"]
+    rows = [*PHASES, "resize total", POLL]
     for name in rows:
         vals = [(r["resize_total"]["wall_s"] if name == "resize total"
                  else r["phases"][name]["wall_s"]) for r in results]
@@ -366,6 +396,10 @@ def render(results: list[dict[str, Any]], load: tuple[float, float, float]) -> N
             for extra in extra_names:
                 ev = [r["phases"][name]["extra"].get(extra, 0.0) for r in results]
                 table.add_row(f"  {extra}", *(_fmt_s(v) for v in ev), _ratios(ev, ns))
+    est = [sum(r["phases"][p]["redis_cpu_s"] + r["phases"][p]["client_cpu_max_s"]
+               for p in PHASES) for r in results]
+    table.add_row("est., a host per worker: Σ (Redis CPU + slowest worker CPU)",
+                  *(_fmt_s(v) for v in est), _ratios(est, ns))
     reg = [r["phases"]["register"]["wall_s"] for r in results]
     table.add_row("(setup) register all", *(_fmt_s(v) for v in reg), _ratios(reg, ns))
     console.print(table)
@@ -406,7 +440,17 @@ def main() -> None:
     ap.add_argument("--redis", help="an existing Redis URL with password (default: a private "
                                     "redis-server started here)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ap.add_argument("--save", help="also write the JSON to this file")
+    ap.add_argument("--render", help="print the tables of a JSON file --save wrote; no run")
     args = ap.parse_args()
+    if args.render:
+        with open(args.render) as fh:
+            saved = json.load(fh)
+        render(saved["results"], tuple(saved["load_avg_before"]))
+        print(f"load average before {saved['load_avg_before'][0]:.1f}, after "
+              f"{saved['load_avg_after'][0]:.1f} ({saved['cpus']} cores); the simulation's "
+              "own threads count in the load average")
+        return
     ns = [int(x) for x in args.workers.split(",") if x]
     results = []
     load = os.getloadavg()
@@ -425,13 +469,18 @@ def main() -> None:
             if server is not None:
                 server.stop()
     load_after = os.getloadavg()
+    doc = {"load_avg_before": load, "load_avg_after": load_after, "cpus": os.cpu_count(),
+           "results": results}
+    if args.save:
+        with open(args.save, "w") as fh:
+            json.dump(doc, fh, indent=1)
     if args.json:
-        print(json.dumps({"load_avg_before": load, "load_avg_after": load_after,
-                          "cpus": os.cpu_count(), "results": results}, indent=1))
+        print(json.dumps(doc, indent=1))
     else:
         render(results, load)
         print(f"load average before {load[0]:.1f}, after {load_after[0]:.1f} "
-              f"({os.cpu_count()} cores)")
+              f"({os.cpu_count()} cores); the simulation's own threads count in the load "
+              "average")
 
 
 if __name__ == "__main__":

@@ -147,6 +147,9 @@ class FakeWorld:
     def abort(self) -> None:
         self.aborted += 1
 
+    def stop_checkpoint_writer(self) -> None:
+        """No writer: checkpoints are recorded, not written."""
+
     def check_describable(self, trainee: Any) -> None:
         """Stand-in models are always describable."""
 

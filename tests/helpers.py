@@ -62,3 +62,29 @@ def generation_record(
         leaving=tuple(leaving), joining=tuple(joining), dead=(), idle=(),
         nodes={w: nodes.get(w, "?") for w in workers}, planner_ids={}, scalars={},
         reason=reason)
+
+
+def run_ranks(code: str, world: int, args: Callable[[int], list[str]],
+              timeout: float) -> list[str]:
+    """Run ``python -c code RANK PORT *args(RANK)`` as ``world`` gloo ranks (a fresh TCP
+    port for their rendezvous); every rank must exit 0.  Returns each rank's output."""
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port), *args(r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} failed:\n{outs[r][-3000:]}"
+    return outs

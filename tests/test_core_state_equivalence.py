@@ -9,10 +9,6 @@ with :func:`etcslurm.core.gpt_state.rank_pieces` for the same rank, piece for pi
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +17,7 @@ from etcslurm.core.gpt_state import rank_pieces
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.state import Piece
+from tests.helpers import run_ranks
 
 pytest.importorskip("megatron.core")
 
@@ -56,33 +53,11 @@ json.dump(result, open(out, "w"))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_analytic_pieces_equal_live_megatron_metadata(tmp_path: Path) -> None:
     pytest.importorskip("etcslurm.megatron.sharded_meta")
-    port = _free_port()
     cases = json.dumps([[s.to_json(), layout, opt] for s, layout, opt in CASES])
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(port),
-                          str(tmp_path / f"r{r}.json"), cases],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for r in range(4)
-    ]
-    try:
-        outs = [p.communicate(timeout=400)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{outs[r][-3000:]}"
+    run_ranks(WORKER, 4, lambda r: [str(tmp_path / f"r{r}.json"), cases], timeout=400)
     for r in range(4):
         live = json.loads((tmp_path / f"r{r}.json").read_text())
         for (spec, layout, opt), pieces in zip(CASES, live, strict=True):

@@ -326,3 +326,37 @@ def test_corrupted_message_is_caught_and_names_the_piece() -> None:
     row = _measured(fm.corrupt_message())
     assert row.error.startswith("MigrationError: checksum mismatch"), row.error
     assert "first piece" in row.error and "0 -> 1" in row.error
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_lost_pieces_roll_back_to_the_last_periodic_checkpoint(redis_url: str,
+                                                              reference: _Reference,
+                                                              tmp_path: Path) -> None:
+    """With periodic checkpoints, a death that leaves state with no holder rolls the run
+    back to the latest complete checkpoint on the survivor (not exit 5): the steps since
+    are repeated, the run completes, and the losses equal the never-failed reference."""
+    row = _measured(fm.rollback(redis_url, None, tmp_path, STEPS, None), reference)
+    assert row.error is None, row.error
+    back = row.detail.get("rollback")
+    assert back is not None, [e["type"] for e in row.events]
+    assert back["step"] in (2, 4) and back["lost_steps"] >= 1
+    assert row.outcome.startswith("rolled back") and "completed" in row.outcome, row.outcome
+    assert row.max_loss_diff is not None and row.max_loss_diff <= LOSS_TOLERANCE
+    kinds = [r.get("kind") for _, r in sorted(row.records.items())]
+    assert kinds[0] == "start" and kinds[-1] == "start" and "stop" not in kinds, kinds
+    assert pids_alive(row.result.pids) == []
+
+
+def test_rollback_decision_resumes_the_checkpoint_on_the_survivors() -> None:
+    """The pure decision: state lost with a dead worker and a complete periodic
+    checkpoint → a ``start`` record on the survivors that resumes it (not ``stop``)."""
+    spec = GPTSpec.parse("gpt-tiny")
+    settings = LayoutSettings(spec, "distributed", 12, 1, 2, 2**26)
+    start = first_generation(settings, ["w1", "w2"], {"w1": "n0", "w2": "n0"})
+    record, _ = next_generation(
+        settings, start, leaving=[], dead=["w2"], ready=[], nodes={}, step=7, scalars={},
+        reason="recover", rollback={"path": "/ckpt/periodic/step00000006", "step": 6})
+    assert record.kind == "start" and record.resume == "/ckpt/periodic/step00000006"
+    assert record.step == 6 and record.union == ("w1",) and record.dead == ("w2",)
+    assert record.generation == start.generation + 1 and "1 steps lost" in record.reason

@@ -10,8 +10,6 @@ applied); each must equal :func:`etcslurm.core.gpt_state.rank_pieces` for that r
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +30,7 @@ from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import PRESETS, GPTSpec
 from etcslurm.core.state import Piece
 from etcslurm.errors import UsageError
+from tests.helpers import run_ranks
 
 LLAMA = PRESETS["llama-tiny"]
 GPT = PRESETS["gpt-tiny"]
@@ -80,12 +79,6 @@ for gen, (spec, layout, opt, dtype, train) in enumerate(cases):
 teardown()
 json.dump(result, open(out, "w"))
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------ model description
@@ -216,25 +209,9 @@ def test_vocab_padding_rows_are_filled_not_lost() -> None:
 @pytest.mark.slow
 def test_analytic_pieces_equal_live_megatron_state(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core")
-    port = _free_port()
     cases = json.dumps([[s.to_json(), lay, opt, dt, tr] for s, lay, opt, dt, tr in CASES])
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
-    procs = [
-        subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(port),
-                          str(tmp_path / f"r{r}.json"), cases],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for r in range(4)
-    ]
-    try:
-        outs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{outs[r][-3000:]}"
+    run_ranks(WORKER, 4, lambda r: [str(tmp_path / f"r{r}.json"), cases], timeout=600)
     results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(4)]
     for r in range(4):
         for (spec, layout, opt, dtype, train), res in zip(CASES, results[r], strict=True):
@@ -366,24 +343,8 @@ def test_vocab_fill_matches_megatron_resharded_load(tmp_path: Path) -> None:
     from etcslurm.core.planner import plan_for_gpt
 
     old, new = ParallelConfig.parse("tp1pp1dp3"), ParallelConfig.parse("tp3pp1dp1")
-    port = _free_port()
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen([sys.executable, "-c", ORACLE, str(r), str(port),
-                          str(tmp_path / "out.pt"), json.dumps(TP3.to_json()), optimizer,
-                          str(tmp_path / "ckpt")],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for r in range(3)
-    ]
-    try:
-        outs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{outs[r][-3000:]}"
+    run_ranks(ORACLE, 3, lambda r: [str(tmp_path / "out.pt"), json.dumps(TP3.to_json()),
+                                     optimizer, str(tmp_path / "ckpt")], timeout=600)
     got = torch.load(tmp_path / "out.pt")
     before, after = got["before"], got["after"]
     plan = plan_for_gpt(TP3, old, new, optimizer=optimizer, params_dtype=TP3.dtype)

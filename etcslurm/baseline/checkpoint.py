@@ -229,12 +229,28 @@ class CheckpointMigrator:
         """Save model, optimizer and scalars to ``path`` (a fresh directory); blocks until
         every rank's files are written, fsynced and the metadata finalised.  All ranks call."""
         import torch.distributed as dist
-        from megatron.core import dist_checkpointing
 
-        path = Path(path)
         first = self.async_writer and not self._writer_started
         dist.barrier()
         t0 = time.perf_counter()
+        self._start_save(trainee, Path(path), self.async_writer)
+        if self.async_writer:
+            self._wait_written(timeout_s)
+        dist.barrier()
+        return SaveReport(time.perf_counter() - t0, first, str(path))
+
+    def save_async(self, trainee: Trainee, path: str | os.PathLike[str]) -> None:
+        """Start a save of ``trainee`` to ``path`` and return once the state is staged
+        (copied for the writer), so training goes on while the persistent writer writes;
+        :meth:`poll` tells when it is complete.  All ranks call."""
+        self._start_save(trainee, Path(path), True)
+
+    def _start_save(self, trainee: Trainee, path: Path, asynchronous: bool) -> None:
+        """A fresh ``path`` (rank 0), then megatron's save; an asynchronous one is handed
+        to the persistent writer."""
+        import torch.distributed as dist
+        from megatron.core import dist_checkpointing
+
         _results_queue_dying_with_us()  # where megatron would create it: inside the save
         if dist.get_rank() == 0:
             if path.exists():
@@ -242,17 +258,31 @@ class CheckpointMigrator:
             path.mkdir(parents=True)
         dist.barrier()
         request = dist_checkpointing.save(
-            sharded_state(trainee, is_loading=False),
-            str(path),
-            sharded_strategy=self._save_strategy(trainee),
-            async_sharded_save=self.async_writer,
+            sharded_state(trainee, is_loading=False), str(path),
+            sharded_strategy=self._save_strategy(trainee), async_sharded_save=asynchronous,
         )
-        if self.async_writer:
+        if asynchronous:
             self._queue.schedule_async_request(request)
             self._writer_started = True
-            self._wait_written(timeout_s)
-        dist.barrier()
-        return SaveReport(time.perf_counter() - t0, first, str(path))
+
+    def poll(self, blocking: bool = False) -> bool:
+        """Finalise what the writer has finished (``blocking``: wait for all of it);
+        true when no save is pending.  All ranks call, in lockstep (a collective)."""
+        if self._queue.get_num_unfinalized_calls():
+            self._queue.maybe_finalize_async_calls(blocking=blocking)
+        return not self._queue.get_num_unfinalized_calls()
+
+    def abandon(self) -> None:
+        """Drop a pending save whose peers are gone (no collective can finalise it): kill
+        the writer process and keep megatron's caller from logging through a process
+        group that no longer exists when it is collected."""
+        caller = getattr(self._queue, "persistent_caller", None)
+        if caller is not None:
+            process = getattr(caller, "process", None)
+            if process is not None and process.is_alive():
+                process.kill()
+            caller.close = lambda: None  # its __del__ calls close(), which asks for a rank
+        self._queue.async_calls.clear()
 
     # ------------------------------------------------------------------ load
     def load(self, trainee: Trainee, path: str | os.PathLike[str]) -> LoadReport:

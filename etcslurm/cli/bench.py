@@ -147,9 +147,9 @@ def _print_table(r: dict[str, Any]) -> None:
         warm = r.get("refit_warm_seconds")
         same = "yes" if r.get("refit_equals_p2p") else "[red]NO[/]"
         t.add_row("refit (weights only)", f"{r['refit_seconds']:.3f}",
-                  "megatron-core resharding.swap_model_weights, gloo, plan + copy"
+                  "megatron-core swap_model_weights (gloo): plan + copy"
                   + (f"; cached plan {warm:.3f}" if warm is not None else "")
-                  + f"; weights = P2P's: {same}")
+                  + f"; weights equal P2P's: {same}")
     elif r.get("refit_skipped"):
         t.add_row("refit (weights only)", "-", f"not run: {r['refit_skipped']}")
     if r.get("transport_seconds"):

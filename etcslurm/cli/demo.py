@@ -36,6 +36,10 @@ def register(sub: Any) -> None:
                    help="resizes as STEP:leave=N / STEP:join=N / STEP:kill=N, ';'-separated "
                         "(default %(default)s; '' for none)")
     p.add_argument("--optimizer", choices=("adam", "distributed"), default="adam")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="a megatron-core checkpoint every N steps, written while training "
+                        "goes on; state lost with a dead worker rolls back to the last one "
+                        "(default 0: none, such a loss stops the run)")
     p.add_argument("--global-batch", type=int, default=12,
                    help="samples per step, kept constant across layouts (default 12)")
     p.add_argument("--gpus-per-node", type=int, default=2,
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         run_id=args.run_id,
         optimizer=args.optimizer, global_batch=args.global_batch,
         gpus_per_node=args.gpus_per_node, reference=not args.no_reference,
-        timeout=args.timeout,
+        timeout=args.timeout, checkpoint_every=args.checkpoint_every,
     )
     console = Console(stderr=True)
     monitor: list[subprocess.Popen[bytes]] = []

@@ -478,6 +478,21 @@ class RunEnd(EventData):
 
 
 @dataclass(frozen=True)
+class RunRollback(EventData):
+    """Dead workers took state no replica holds: the run goes on from the latest complete
+    periodic checkpoint (``step``), on the workers that are left; ``lost_steps`` are
+    trained again."""
+
+    TYPE: ClassVar[str] = "run.rollback"
+    WHAT: ClassVar[str] = "run.rollback event"
+
+    step: int
+    lost_steps: int
+    checkpoint: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Error(EventData):
     """Something failed; ``message`` says what."""
 
@@ -522,7 +537,7 @@ EVENT_TYPES: dict[str, type[EventData]] = {
     c.TYPE: c
     for c in (WorkerRegistered, WorkerState, WorkerGone, WorkerSignal, ChangeRequested,
               GenerationStart, MigrationRebuild, MigrationProgress, MigrationDone, Step,
-              RunEnd, Error, JobRequeued)
+              RunEnd, RunRollback, Error, JobRequeued)
 }
 
 

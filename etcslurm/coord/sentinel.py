@@ -31,7 +31,7 @@ from etcslurm.coord.server import (
     _redis_dies_with_parent,
     _tail,
     find_redis_server,
-    free_port,
+    start_on_a_port,
     write_private,
 )
 from etcslurm.errors import CoordinatorError, UsageError
@@ -110,11 +110,7 @@ class BundledSentinel:
 
     def start(self) -> BundledSentinel:
         self.site_dir.mkdir(parents=True, exist_ok=True)
-        fixed_port = self.port != 0
-        for attempt in range(5):
-            if not fixed_port:
-                self.port = free_port(self.host if self.host not in ("0.0.0.0", "") else "127.0.0.1")
-            self._write_config()
+        def spawn() -> None:
             with contextlib.suppress(OSError):
                 self.log_file.unlink()
             self.proc = subprocess.Popen(
@@ -123,15 +119,8 @@ class BundledSentinel:
                 start_new_session=True,
                 preexec_fn=None if self.detached else _redis_dies_with_parent,
             )
-            try:
-                self._wait_ready()
-                break
-            except CoordinatorError:
-                died = self.proc is not None and self.proc.poll() is not None
-                in_use = "Address already in use" in _tail(self.log_file, 5)
-                self.stop()
-                if fixed_port or not (died and in_use) or attempt == 4:
-                    raise
+
+        start_on_a_port(self, spawn, self.stop)
         if not self.detached and not self._atexit:
             atexit.register(self.stop)
             self._atexit = True

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from etcslurm.errors import CoordinatorError, EtcslurmError, UsageError
 from etcslurm.parent_death import die_with_parent
@@ -162,21 +163,7 @@ class BundledRedis:
         if not self.password:
             self.password = secrets.token_urlsafe(24)
         write_private(self.password_file, self.password + "\n")
-        fixed_port = self.port != 0
-        for attempt in range(5):
-            if not fixed_port:
-                self.port = free_port(self.host if self.host not in ("0.0.0.0", "") else "127.0.0.1")
-            self._write_config()
-            self._spawn()
-            try:
-                self._wait_ready()
-                break
-            except CoordinatorError:
-                died = self.proc is not None and self.proc.poll() is not None
-                in_use = "Address already in use" in _tail(self.log_file, 5)
-                self._kill()
-                if fixed_port or not (died and in_use) or attempt == 4:
-                    raise
+        start_on_a_port(self, self._spawn, self._kill)
         if not self.detached and not self._atexit:
             atexit.register(self.stop)
             self._atexit = True
@@ -385,3 +372,26 @@ def _redis_dies_with_parent() -> None:
     """In the child before exec: SIGTERM (Redis shuts down cleanly) when the parent dies;
     where prctl is missing, atexit still covers clean exits."""
     die_with_parent(signal.SIGTERM)
+
+
+def start_on_a_port(server: Any, spawn: Any, kill: Any) -> None:
+    """Start ``server`` (a Redis or a Sentinel: ``port``, ``host``, ``proc``, ``log_file``,
+    ``_write_config``, ``_wait_ready``) and wait until it answers.  With port 0 a free
+    port is picked; another process may take it before the server binds it, so a start
+    that failed on "Address already in use" is retried on a new port (5 tries)."""
+    fixed_port = server.port != 0
+    for attempt in range(5):
+        if not fixed_port:
+            server.port = free_port(server.host if server.host not in ("0.0.0.0", "")
+                                    else "127.0.0.1")
+        server._write_config()
+        spawn()
+        try:
+            server._wait_ready()
+            return
+        except CoordinatorError:
+            died = server.proc is not None and server.proc.poll() is not None
+            in_use = "Address already in use" in _tail(server.log_file, 5)
+            kill()
+            if fixed_port or not (died and in_use) or attempt == 4:
+                raise

@@ -503,6 +503,11 @@ class RunModel:
             self.step = d.step
         return "run ended" + (f": {d.reason}" if d.reason else "")
 
+    def _on_run_rollback(self, ev: Event) -> Any:
+        d: rec.RunRollback = ev.data  # type: ignore[assignment]
+        self.step = d.step
+        return f"rolled back to step {d.step} ({d.lost_steps} steps lost)"
+
     def _on_error(self, ev: Event) -> Any:
         d: rec.Error = ev.data  # type: ignore[assignment]
         who = d.worker or ev.subject()

@@ -66,3 +66,85 @@ def requeue_own_job(coord: Any, worker: str) -> None:
         log.error("requeue of job %s failed: %s", env.job_id, exc)
         return
     coord.emit("job.requeued", worker=worker, job=env.job_id)
+
+
+# ---------------------------------------------------------------------- periodic checkpoints
+def periodic_directory(options: WorkerOptions) -> Path:
+    return directory(options) / "periodic"
+
+
+def periodic_pointer(options: WorkerOptions) -> dict[str, Any] | None:
+    """The latest COMPLETE periodic checkpoint (path, step, layout), if any: what a run
+    rolls back to when a death leaves state with no holder."""
+    latest = periodic_directory(options) / "latest.json"
+    if not latest.exists():
+        return None
+    try:
+        found = json.loads(latest.read_text())
+        return {**found, "path": str(found["path"]), "step": int(found["step"])}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.error("periodic checkpoint pointer %s unreadable: %s", latest, exc)
+        return None
+
+
+class Periodic:
+    """Checkpoints every ``every`` steps, written by megatron-core's persistent async
+    writer while training goes on; a save counts only once every rank finalised it (rank
+    0 then moves ``periodic/latest.json`` to it and drops all but the last ``keep``).
+
+    ``poll`` is a collective while a save is pending: every world member calls it at
+    every step boundary (they do, in lockstep).  A change of world first waits for a
+    pending save (``finish``); a failure abandons it (its files are never pointed at).
+    """
+
+    def __init__(self, options: WorkerOptions, every: int, keep: int) -> None:
+        self.options = options
+        self.every = every
+        self.keep = max(1, keep)
+        self.pending: dict[str, Any] | None = None
+        self.saves: list[float] = []  # seconds each save held the training loop
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step > 0 and step % self.every == 0
+
+    def start(self, world: Any, trainee: Any, step: int, layout: str, rank: int) -> None:
+        """Begin the save of ``step`` (after finishing a previous one still pending)."""
+        import time
+
+        self.finish(world, rank)
+        t0 = time.perf_counter()
+        target = periodic_directory(self.options) / f"step{step:08d}"
+        world.save_async(trainee, target)
+        self.saves.append(time.perf_counter() - t0)
+        self.pending = {"path": str(target), "step": step, "layout": layout}
+
+    def poll(self, world: Any, rank: int, blocking: bool = False) -> None:
+        if self.pending is not None and world.checkpoint_poll(blocking):
+            self._complete(rank)
+
+    def finish(self, world: Any, rank: int) -> None:
+        """Wait for a pending save (before the world changes)."""
+        self.poll(world, rank, blocking=True)
+
+    def abandon(self, world: Any) -> None:
+        """A peer died: the pending save cannot be finalised (its files stay unreferenced)."""
+        if self.pending is not None:
+            log.warning("periodic checkpoint of step %s abandoned", self.pending["step"])
+            world.abandon_checkpoint()
+        self.pending = None
+
+    def _complete(self, rank: int) -> None:
+        assert self.pending is not None
+        done, self.pending = self.pending, None
+        if rank != 0:
+            return
+        where = periodic_directory(self.options)
+        tmp = where / "latest.json.tmp"
+        tmp.write_text(json.dumps(done))
+        tmp.replace(where / "latest.json")  # atomic: a reader sees the old or the new one
+        steps = sorted(p for p in where.glob("step*") if p.is_dir())
+        import shutil
+
+        for old in steps[: max(0, len(steps) - self.keep)]:
+            if str(old) != done["path"]:
+                shutil.rmtree(old, ignore_errors=True)

@@ -37,6 +37,11 @@ class RunSettings:
     initial_workers: int = 1
     gpus_per_node: int = 8
     staging_bytes: int = 512 * 2**20
+    #: a megatron-core checkpoint every this many steps, written off the training thread
+    #: (0: none); when a death leaves state with no holder, the run rolls back to the
+    #: latest complete one instead of stopping
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 2  # complete periodic checkpoints kept
 
     def to_json(self) -> dict[str, Any]:
         """The run spec stored in the coordinator (JSON)."""
@@ -51,6 +56,8 @@ class RunSettings:
             "initial_workers": self.initial_workers,
             "gpus_per_node": self.gpus_per_node,
             "staging_bytes": self.staging_bytes,
+            "checkpoint_every": self.checkpoint_every,
+            "checkpoint_keep": self.checkpoint_keep,
         }
 
     @classmethod
@@ -68,6 +75,8 @@ class RunSettings:
                 initial_workers=int(spec["initial_workers"]),
                 gpus_per_node=int(spec["gpus_per_node"]),
                 staging_bytes=int(spec.get("staging_bytes", 512 * 2**20)),
+                checkpoint_every=int(spec.get("checkpoint_every", 0)),
+                checkpoint_keep=int(spec.get("checkpoint_keep", 2)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"the run spec in the coordinator is malformed: {exc!r}") from None

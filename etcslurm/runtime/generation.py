@@ -279,6 +279,7 @@ def next_generation(
     scalars: Mapping[str, Any] | None,
     reason: str,
     request: ChangeRequest | None = None,
+    rollback: Mapping[str, Any] | None = None,
 ) -> tuple[GenerationRecord, MigrationPlan | None]:
     """The record that follows ``current`` at step ``step`` (and the plan it implies).
 
@@ -287,7 +288,10 @@ def next_generation(
     join (new joiners, idle standbys), in registration order.  ``request``: the pending
     change request to carry out: its ``to`` layout is used and its ``drain`` workers
     leave, when :func:`check_request` accepts it; else it is ignored and the record's
-    ``reason`` says why.
+    ``reason`` says why.  ``rollback``: the latest complete periodic checkpoint
+    (``{path, step, layout}``); when dead workers took state no replica holds, the run
+    starts again from it on the workers that are left (a ``start`` record that resumes
+    it) instead of stopping.
     """
     problem = None
     if request is not None:
@@ -341,8 +345,16 @@ def next_generation(
     )
     lost = lost_pieces(migration, padded_vocab(settings.spec, old_cfg.tp))
     if lost:
-        count = len(lost)
-        record = replace(record, kind="stop", reason=(
-            f"{count} state pieces were held only by dead worker(s) {', '.join(sorted(gone_dead))} "
-            "and no replica survives"))
+        why = (f"{len(lost)} state pieces were held only by dead worker(s) "
+               f"{', '.join(sorted(gone_dead))} and no replica survives")
+        if rollback is None:
+            return replace(record, kind="stop", reason=why), migration
+        available = [w for w in union if w not in set(leavers)]
+        start = first_generation(settings, available, rec_nodes, step=int(rollback["step"]))
+        return replace(
+            start, generation=current.generation + 1, resume=str(rollback["path"]),
+            from_layout=str(old_cfg), old_world=tuple(old_world), leaving=leavers,
+            dead=gone_dead, reason=f"rollback to the checkpoint of step {rollback['step']} "
+                                   f"({step - int(rollback['step'])} steps lost): {why}",
+        ), migration
     return record, migration

@@ -109,6 +109,7 @@ class Context:
     held_scalars: dict[str, Any] | None = None
     reports: list[MigrationReport] = field(default_factory=list)
     change_started: float | None = None  # when the pause of the current change began
+    periodic: Any = None  # periodic checkpoints (runtime.checkpointing.Periodic), if any
 
     @property
     def step(self) -> int:

@@ -34,6 +34,8 @@ def recover(ctx: Context, state: State) -> State:
     log.warning("step failed on %s (%s); recovering", ctx.worker_id, str(exc)[:200])
     ctx.change_started = time.perf_counter()
     ctx.holdings()  # read while this layout's parallel_state is still there
+    if ctx.periodic is not None:  # a pending save cannot be finalised without the dead
+        ctx.periodic.abandon(ctx.world)
     ctx.world.abort()
     if state.failed is None:  # a change that failed has said so already
         coord.emit("error", worker=ctx.worker_id, message=f"collective failed: {str(exc)[:200]}")

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from etcslurm.coord.coordinator import GONE
 from etcslurm.errors import EtcslurmError
 from etcslurm.hooks import NO_HOOKS, Hooks
-from etcslurm.runtime import recovery, transitions
+from etcslurm.runtime import checkpointing, recovery, transitions
 from etcslurm.runtime.boundary import Boundary, DataLog
 from etcslurm.runtime.config import Builder, RunSettings, WorkerOptions, default_builder
 from etcslurm.runtime.generation import end_generation
@@ -141,6 +141,9 @@ class ElasticSession:
         store = RedisStore(self._client, opts.run_id, "pg")
         world = World(store, self.settings, opts, self.build, self.hooks)
         self.ctx = Context(self.settings, opts, coord, world, boundary, worker_id, self.hooks)
+        if self.settings.checkpoint_every:
+            self.ctx.periodic = checkpointing.Periodic(opts, self.settings.checkpoint_every,
+                                                       self.settings.checkpoint_keep)
         if opts.log_data and self.build is default_builder:
             # which samples each DP rank trains, by etcslurm's own train_step's rule (a
             # user's loop with its own data pipeline logs its own positions)
@@ -151,8 +154,10 @@ class ElasticSession:
         """Leave the coordinator and tear every process group down (idempotent)."""
         from etcslurm.groups import lifecycle as groups
 
-        groups.abort()
         ctx = self.ctx
+        if ctx is not None:  # a periodic checkpoint writer must not outlive the worker
+            ctx.world.stop_checkpoint_writer()
+        groups.abort()
         if ctx is not None and ctx.boundary.trap is not None:
             ctx.boundary.uninstall()
             with contextlib.suppress(Exception):
@@ -210,7 +215,14 @@ class ElasticSession:
                 tokens_per_s=self.settings.global_batch * self.settings.model.seq / elapsed,
             )
         self._log_data(step - 1, loss)
+        periodic = ctx.periodic
+        if periodic is not None:  # poll and start saves in lockstep (collectives)
+            periodic.poll(ctx.world, ctx.rank)
+            if periodic.due(step) and step < self.settings.steps:
+                periodic.start(ctx.world, ctx.trainee, step, ctx.record.to_layout, ctx.rank)
         if step >= self.settings.steps:
+            if periodic is not None:
+                periodic.finish(ctx.world, ctx.rank)
             self.finished = True
             self.exit_reason = "finished"
             if ctx.rank == 0:  # standbys and late joiners waiting for a generation: go home
@@ -219,6 +231,8 @@ class ElasticSession:
                     end_generation(ctx.record, step, reason=f"finished {step} steps"))
             return
         if self._boundary_change():
+            if periodic is not None:  # the save belongs to this world: finish it first
+                periodic.finish(ctx.world, ctx.rank)
             self._run(State(Phase.DECIDE))
         self._step_started = time.perf_counter()
 

@@ -144,6 +144,7 @@ def enter(ctx: Context, state: State) -> State:
     if rank is None:  # idle at start: wait to be taken in later
         return State(Phase.WAIT, after=record.generation)
     ctx.rank = rank
+    ctx.forget_holdings()  # a rollback: the old model is replaced by the checkpoint's
     ctx.trainee = ctx.world.form_and_build(record.generation, ParallelConfig.parse(record.to_layout),
                                            rank)
     # before the first step, not at the first resize: a model etcslurm cannot describe
@@ -322,10 +323,11 @@ def publish_next(ctx: Context, reason: str, extra_dead: tuple[str, ...] = ()) ->
         if problem is not None:  # ignored by next_generation; say why
             coord.emit("error", worker=ctx.worker_id,
                        message=f"change request by {request.by} ignored: {problem}")
+    rollback = checkpointing.periodic_pointer(ctx.options) if ctx.settings.checkpoint_every else None
     record, migration = next_generation(
         layout_settings(ctx), ctx.record, leaving=view.leaving, dead=dead,
         ready=view.ready, nodes=view.nodes, step=ctx.step, scalars=ctx.holdings()[1],
-        reason=reason, request=request,
+        reason=reason, request=request, rollback=rollback,
     )
     latest = coord.current_generation()
     if latest is not None and record.generation <= latest.generation:
@@ -339,6 +341,9 @@ def publish_next(ctx: Context, reason: str, extra_dead: tuple[str, ...] = ()) ->
         coord.take_changes(len(pending))
     if coord.publish_generation(record):
         log.info("published generation %s: %s", record.generation, record.reason)
+        if record.kind == "start" and record.resume:  # a rollback (see next_generation)
+            coord.emit("run.rollback", step=record.step, lost_steps=ctx.step - record.step,
+                       checkpoint=record.resume, reason=record.reason[:200])
 
 
 def _progress_emitter(ctx: Context, gen: int, new_rank: int | None) -> Any:

@@ -47,6 +47,7 @@ class World:
         from etcslurm.runtime.config import default_builder
 
         self.analytic = build is default_builder
+        self._periodic: Any = None  # the async checkpoint writer of periodic saves
 
     # ------------------------------------------------------------------ worlds
     def form_and_build(self, generation: int, layout: ParallelConfig, rank: int) -> Any:
@@ -135,6 +136,31 @@ class World:
         from etcslurm.baseline.checkpoint import CheckpointMigrator
 
         CheckpointMigrator(async_writer=False).save(trainee, path)
+
+    def save_async(self, trainee: Any, path: Path) -> None:
+        """Start a periodic checkpoint (megatron-core's persistent async writer)."""
+        if self._periodic is None:
+            from etcslurm.baseline.checkpoint import CheckpointMigrator
+
+            self._periodic = CheckpointMigrator(async_writer=True)
+        self._periodic.save_async(trainee, path)
+
+    def checkpoint_poll(self, blocking: bool) -> bool:
+        """Whether the pending periodic checkpoint is complete (a collective)."""
+        return self._periodic is None or self._periodic.poll(blocking)
+
+    def abandon_checkpoint(self) -> None:
+        """Forget a save that can no longer be finalised (a peer died): its writer is
+        stopped (it could only wait for peers that are gone); a fresh one serves the
+        next save."""
+        if self._periodic is not None:
+            self._periodic.abandon()
+        self._periodic = None
+
+    def stop_checkpoint_writer(self) -> None:
+        """Stop the periodic checkpoint writer process (at the end of the worker; a save
+        still pending was either finished at the run's end or cannot be finished)."""
+        self.abandon_checkpoint()
 
     def load_checkpoint(self, trainee: Any, path: str) -> None:
         from etcslurm.baseline.checkpoint import load_checkpoint

@@ -458,6 +458,28 @@ def lost_pieces(redis_url: str, pw: str | None, run_dir: Path, steps: int,
     return row
 
 
+def rollback(redis_url: str, pw: str | None, run_dir: Path, steps: int,
+             reference: dict[int, float] | None) -> Row:
+    """dp2 with the distributed optimizer and a checkpoint every 2 steps: the killed
+    rank's optimizer shard has no replica, so the run rolls back to the last complete
+    checkpoint on the survivor and completes."""
+    opts = _options(redis_url, pw, run_dir, max(steps, 8), workers=2, optimizer="distributed",
+                    checkpoint_every=2, min_step_seconds=1.0)
+    row = _run("SIGKILL, no replica, periodic checkpoints (distributed optimizer)", opts,
+               at_step(5, lambda run, t: kill_rank(run, 1)), reference)
+    back = [e for e in row.events if e["type"] == "run.rollback"]
+    if back:
+        d = back[0]["data"]
+        row.detail["rollback"] = d
+        row.bytes_lost = 0
+        if row.outcome.startswith("completed"):
+            row.outcome = (f"rolled back to step {d['step']} ({d['lost_steps']} steps "
+                           f"repeated), {row.outcome}")
+        if row.fault_ts is not None:
+            row.recover_s = round(back[0]["ts"] - row.fault_ts, 2)
+    return row
+
+
 def corrupt_message() -> Row:
     """The executor's checksum on a flipped byte (2 gloo processes, real execute())."""
     from etcslurm.bench.launch import launch
@@ -487,6 +509,7 @@ SCENARIOS = {
     "redis-outage": None,  # redis_restart with an outage, see main()
     "redis-unreachable": None,  # redis_unreachable, see main()
     "lost-pieces": lost_pieces,
+    "rollback": rollback,
     "corrupt-message": None,
 }
 

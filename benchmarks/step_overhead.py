@@ -1,0 +1,262 @@
+"""What an ``ElasticSession`` costs per training step when nothing changes.
+
+Two CPU worker processes (gloo), the same model, batch and seed, one run: first the plain
+loop -- ``init_process_group`` on a ``TCPStore``, megatron-core's ``parallel_state``,
+``etcslurm.megatron.model.build_gpt``, ``etcslurm.megatron.train.train_step`` -- then the
+elastic loop: ``ElasticSession`` on a private Redis (``redis-server`` on 127.0.0.1, a free
+port, stopped at the end) with ``session.step()`` / ``step_done()`` around the same
+``train_step`` (the boundary all-reduce, rank 0's coordinator poll every 0.25 s, the
+``step`` event, the data log, the heartbeat thread).  ``--rounds 2`` repeats both (plain,
+elastic, plain, elastic) against a changing machine load.
+
+Prints the mean and median step time both ways, their ratio, and the session's own time
+per step measured directly (``step()`` entry/exit and ``step_done``), which a busy
+machine disturbs far less than the difference of two means.  The default (gpt-125m with
+its sequence cut to 128 tokens, global batch 2, 8 timed steps each way) takes about two
+minutes on two cores; ``--seq 0`` keeps the model's own 2048 (slow on CPU).
+Run: ``python benchmarks/step_overhead.py [--model gpt-tiny] [--steps 20] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spec(args: argparse.Namespace) -> Any:
+    from etcslurm.core.models import PRESETS
+
+    spec = PRESETS[args.model]
+    return dataclasses.replace(spec, seq=args.seq) if args.seq else spec
+
+
+def _settings(args: argparse.Namespace, steps: int) -> Any:
+    from etcslurm.runtime.config import RunSettings
+
+    return RunSettings(model=_spec(args), optimizer="adam", global_batch=args.global_batch,
+                       micro_batch=1, seed=1234, steps=steps, initial_workers=WORLD,
+                       gpus_per_node=WORLD)
+
+
+# ---------------------------------------------------------------------- the two loops
+def plain_loop(args: argparse.Namespace, rank: int, port: int) -> dict[str, Any]:
+    """The loop without etcslurm's session: a torch.distributed world formed the usual
+    way, megatron's groups, the model, ``train_step``."""
+    import torch.distributed as dist
+
+    from etcslurm.core.layout import ParallelConfig
+    from etcslurm.megatron.cpu_shim import install_if_needed
+    from etcslurm.megatron.model import TrainHyper, build_gpt
+    from etcslurm.megatron.parallel import init_model_parallel, teardown
+    from etcslurm.megatron.train import train_step
+
+    install_if_needed()
+    settings = _settings(args, args.warmup + args.steps)
+    store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    layout = ParallelConfig.parse(f"tp1pp1dp{WORLD}")
+    init_model_parallel(layout)
+    hyper = TrainHyper(lr=settings.lr, global_batch=settings.global_batch,
+                       micro_batch=settings.micro_batch)
+    trainee = build_gpt(settings.model, layout, optimizer=settings.optimizer,
+                        seed=settings.seed, hyper=hyper)
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        loss = train_step(trainee)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            losses.append(loss)
+    teardown()
+    del store
+    return {"step_s": times, "session_s": [0.0] * len(times), "losses": losses}
+
+
+def elastic_loop(args: argparse.Namespace, rank: int, redis_url: str, run_dir: str,
+                 run_id: str) -> dict[str, Any]:
+    """The same loop inside an ``ElasticSession`` (the loop of the README)."""
+    from etcslurm.megatron.train import train_step
+    from etcslurm.runtime.config import WorkerOptions
+    from etcslurm.runtime.session import ElasticSession
+
+    # one step more than timed: the last step_done publishes the run's end record
+    settings = _settings(args, args.warmup + args.steps + 1)
+    options = WorkerOptions(run_id=run_id, redis_url=redis_url, node=f"node{rank}",
+                            run_dir=run_dir)
+    times, session_s, losses = [], [], []
+    with ElasticSession(settings, options) as session:
+        i = 0
+        while not session.finished:
+            t0 = time.perf_counter()
+            with session.step():
+                t1 = time.perf_counter()
+                loss = train_step(session.trainee)
+                t2 = time.perf_counter()
+                session.step_done(loss)
+                t3 = time.perf_counter()
+            t4 = time.perf_counter()
+            if args.warmup <= i < args.warmup + args.steps:
+                times.append(t4 - t0)
+                session_s.append((t1 - t0) + (t4 - t2))
+                losses.append(loss)
+            i += 1
+            del t3
+        reports = len(session.reports)
+    if reports != 1:  # the start only: nothing changed, as the benchmark requires
+        raise RuntimeError(f"the world changed during the elastic loop ({reports} reports)")
+    return {"step_s": times, "session_s": session_s, "losses": losses}
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    rank = args.child
+    out: dict[str, Any] = {"rank": rank, "rounds": []}
+    for r in range(args.rounds):
+        plain = plain_loop(args, rank, args.ports[r])
+        elastic = elastic_loop(args, rank, args.redis, args.run_dir, f"{args.run}-{r}")
+        out["rounds"].append({"plain": plain, "elastic": elastic})
+    Path(args.run_dir, f"rank{rank}.json").write_text(json.dumps(out))
+
+
+# ---------------------------------------------------------------------- the parent
+def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per loop: the world's step time (the slower rank of each step) over all rounds."""
+    out: dict[str, Any] = {}
+    for loop in ("plain", "elastic"):
+        steps, session = [], []
+        for r in range(len(ranks[0]["rounds"])):
+            per_rank = [rk["rounds"][r][loop] for rk in ranks]
+            steps += [max(v) for v in zip(*(p["step_s"] for p in per_rank), strict=True)]
+            session += [max(v) for v in zip(*(p["session_s"] for p in per_rank), strict=True)]
+        out[loop] = {
+            "steps": len(steps), "mean_s": statistics.fmean(steps),
+            "median_s": statistics.median(steps), "min_s": min(steps),
+            "stdev_s": statistics.stdev(steps) if len(steps) > 1 else 0.0,
+            "session_mean_s": statistics.fmean(session),
+        }
+    p, e = out["plain"], out["elastic"]
+    out["ratio_mean"] = e["mean_s"] / p["mean_s"]
+    out["ratio_median"] = e["median_s"] / p["median_s"]
+    out["ratio_min"] = e["min_s"] / p["min_s"]
+    out["session_fraction"] = e["session_mean_s"] / p["mean_s"]
+    rounds = ranks[0]["rounds"]
+    out["same_losses"] = all(r["plain"]["losses"] == r["elastic"]["losses"] for r in rounds)
+    return out
+
+
+def render(summary: dict[str, Any], args: argparse.Namespace, load: tuple[float, float],
+           wall: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    spec = _spec(args)
+    table = Table(title=f"per-step cost of ElasticSession, {spec.name} (seq {spec.seq}), "
+                        f"{WORLD} CPU workers (gloo), global batch {args.global_batch}, "
+                        f"{args.rounds} x {args.steps} timed steps each way")
+    for col in ("loop", "mean", "median", "min", "stdev", "session's own time / step"):
+        table.add_column(col, justify="left" if col == "loop" else "right")
+    for loop, label in (("plain", "plain (init_process_group + train_step)"),
+                        ("elastic", "elastic (ElasticSession + step/step_done)")):
+        s = summary[loop]
+        table.add_row(label, *(f"{s[k] * 1e3:.1f} ms" for k in
+                               ("mean_s", "median_s", "min_s", "stdev_s", "session_mean_s")))
+    Console(width=150).print(table)
+    print(f"elastic / plain: mean {summary['ratio_mean']:.4f}, median "
+          f"{summary['ratio_median']:.4f}, min {summary['ratio_min']:.4f}; the session's own "
+          f"time is {summary['session_fraction'] * 100:.2f} % of a plain step (goal <= 1 %)")
+    print(f"same losses both ways: {summary['same_losses']}; load average "
+          f"{load[0]:.1f} before, {load[1]:.1f} after, on {os.cpu_count()} cores; "
+          f"wall {wall:.0f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gpt-125m")
+    ap.add_argument("--seq", type=int, default=None,
+                    help="sequence length (default 128 for gpt-125m, else the model's; "
+                         "0: the model's own)")
+    ap.add_argument("--global-batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per loop and round")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--rounds", type=int, default=1, help="plain+elastic repetitions")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--json", action="store_true")
+    # the worker side (internal)
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--ports", type=lambda s: [int(x) for x in s.split(",")],
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--redis", help=argparse.SUPPRESS)
+    ap.add_argument("--run", help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.seq is None:
+        args.seq = 128 if args.model == "gpt-125m" else 0
+    if args.child is not None:
+        child(args)
+        return
+
+    from etcslurm.coord.server import BundledRedis
+
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="etcslurm-overhead-") as tmp:
+        server = BundledRedis(tmp).start()
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            ports = ",".join(str(_free_port()) for _ in range(args.rounds))
+            base = [sys.executable, os.path.abspath(__file__), "--model", args.model,
+                    "--seq", str(args.seq), "--global-batch", str(args.global_batch),
+                    "--steps", str(args.steps), "--warmup", str(args.warmup),
+                    "--rounds", str(args.rounds), "--ports", ports,
+                    "--redis", server.url_with_password, "--run",
+                    f"overhead-{secrets.token_hex(3)}", "--run-dir", tmp]
+            env = dict(os.environ, OMP_NUM_THREADS="1", ETCSLURM_LOG="ERROR", PYTHONWARNINGS="ignore")
+            for rank in range(WORLD):
+                procs.append(subprocess.Popen([*base, "--child", str(rank)], env=env))
+            end = time.monotonic() + args.timeout
+            for p in procs:
+                rc = p.wait(timeout=max(1.0, end - time.monotonic()))
+                if rc != 0:
+                    raise SystemExit(f"a worker process failed (exit {rc})")
+            ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            server.stop()
+    wall = time.perf_counter() - t0
+    load = (load0, os.getloadavg()[0])
+    summary = summarize(ranks)
+    if args.json:
+        print(json.dumps({"model": args.model, "seq": _spec(args).seq,
+                          "global_batch": args.global_batch, "steps": args.steps,
+                          "rounds": args.rounds, "load_avg": load, "cpus": os.cpu_count(),
+                          "wall_s": wall, **summary}, indent=1))
+    else:
+        render(summary, args, load, wall)
+
+
+if __name__ == "__main__":
+    main()
