@@ -6,13 +6,16 @@ loop -- ``init_process_group`` on a ``TCPStore``, megatron-core's ``parallel_sta
 elastic loop: ``ElasticSession`` on a private Redis (``redis-server`` on 127.0.0.1, a free
 port, stopped at the end) with ``session.step()`` / ``step_done()`` around the same
 ``train_step`` (the boundary all-reduce, rank 0's coordinator poll every 0.25 s, the
-``step`` event, the data log, the heartbeat thread).  ``--rounds 2`` repeats both (plain,
-elastic, plain, elastic) against a changing machine load.
+``step`` event, the data log, the heartbeat thread).  ``--rounds 2`` repeats both in the other
+order (plain, elastic, elastic, plain) against a changing machine load and the advantage
+of going second.
 
 Prints the mean and median step time both ways, their ratio, and the session's own time
 per step measured directly (``step()`` entry/exit and ``step_done``), which a busy
-machine disturbs far less than the difference of two means.  The default (gpt-125m with
-its sequence cut to 128 tokens, global batch 2, 8 timed steps each way) takes about two
+machine disturbs far less than the difference of two means (per step, the smaller of the
+two ranks': the rank that reaches the boundary last does not wait for its peer there),
+and what the parts of ``step_done`` take on each rank.  The default (gpt-125m with
+its sequence cut to 128 tokens, global batch 2, 6 timed steps each way) takes two to three
 minutes on two cores; ``--seq 0`` keeps the model's own 2048 (slow on CPU).
 Run: ``python benchmarks/step_overhead.py [--model gpt-tiny] [--steps 20] [--json]``.
 """
@@ -103,8 +106,28 @@ def elastic_loop(args: argparse.Namespace, rank: int, redis_url: str, run_dir: s
     options = WorkerOptions(run_id=run_id, redis_url=redis_url, node=f"node{rank}",
                             run_dir=run_dir)
     times, session_s, losses = [], [], []
+    parts: dict[str, float] = {}
+
+    def timed(fn: Any, name: str) -> Any:
+        def run(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                if args.warmup <= i < args.warmup + args.steps:
+                    parts[name] = parts.get(name, 0.0) + time.perf_counter() - t0
+        return run
+
+    i = 0
     with ElasticSession(settings, options) as session:
-        i = 0
+        # the parts of step_done, timed where they run (instance attributes shadow methods)
+        ctx = session.ctx
+        ctx.world.any = timed(ctx.world.any, "boundary all-reduce (incl. waiting for the peer)")
+        ctx.boundary.emit_soft = timed(ctx.boundary.emit_soft, "step event (rank 0)")
+        session._leader_sees_change = timed(session._leader_sees_change,
+                                            "coordinator poll (rank 0, every 0.25 s)")
+        session._log_data = timed(session._log_data, "data log line")
+        rank_seen = session.rank
         while not session.finished:
             t0 = time.perf_counter()
             with session.step():
@@ -123,7 +146,8 @@ def elastic_loop(args: argparse.Namespace, rank: int, redis_url: str, run_dir: s
         reports = len(session.reports)
     if reports != 1:  # the start only: nothing changed, as the benchmark requires
         raise RuntimeError(f"the world changed during the elastic loop ({reports} reports)")
-    return {"step_s": times, "session_s": session_s, "losses": losses}
+    return {"step_s": times, "session_s": session_s, "losses": losses, "rank": rank_seen,
+            "parts_s": {k: v / max(1, len(times)) for k, v in parts.items()}}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -133,8 +157,12 @@ def child(args: argparse.Namespace) -> None:
     rank = args.child
     out: dict[str, Any] = {"rank": rank, "rounds": []}
     for r in range(args.rounds):
-        plain = plain_loop(args, rank, args.ports[r])
-        elastic = elastic_loop(args, rank, args.redis, args.run_dir, f"{args.run}-{r}")
+        if args.elastic_first != bool(r % 2):  # rounds alternate the order: A B, B A, ...
+            elastic = elastic_loop(args, rank, args.redis, args.run_dir, f"{args.run}-{r}")
+            plain = plain_loop(args, rank, args.ports[r])
+        else:
+            plain = plain_loop(args, rank, args.ports[r])
+            elastic = elastic_loop(args, rank, args.redis, args.run_dir, f"{args.run}-{r}")
         out["rounds"].append({"plain": plain, "elastic": elastic})
     Path(args.run_dir, f"rank{rank}.json").write_text(json.dumps(out))
 
@@ -148,7 +176,9 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         for r in range(len(ranks[0]["rounds"])):
             per_rank = [rk["rounds"][r][loop] for rk in ranks]
             steps += [max(v) for v in zip(*(p["step_s"] for p in per_rank), strict=True)]
-            session += [max(v) for v in zip(*(p["session_s"] for p in per_rank), strict=True)]
+            # the rank that reaches the boundary last waits least in its all-reduce: its
+            # session time is the session's cost, not the other rank's wait for it
+            session += [min(v) for v in zip(*(p["session_s"] for p in per_rank), strict=True)]
         out[loop] = {
             "steps": len(steps), "mean_s": statistics.fmean(steps),
             "median_s": statistics.median(steps), "min_s": min(steps),
@@ -160,6 +190,10 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     out["ratio_median"] = e["median_s"] / p["median_s"]
     out["ratio_min"] = e["min_s"] / p["min_s"]
     out["session_fraction"] = e["session_mean_s"] / p["mean_s"]
+    by_rank = sorted(ranks, key=lambda rk: rk["rounds"][0]["elastic"]["rank"])
+    out["parts_per_rank"] = [  # by the session's rank (rank 0 polls and emits events)
+        {k: statistics.fmean(r["elastic"]["parts_s"].get(k, 0.0) for r in rk["rounds"])
+         for k in rk["rounds"][0]["elastic"]["parts_s"]} for rk in by_rank]
     rounds = ranks[0]["rounds"]
     out["same_losses"] = all(r["plain"]["losses"] == r["elastic"]["losses"] for r in rounds)
     return out
@@ -174,14 +208,24 @@ def render(summary: dict[str, Any], args: argparse.Namespace, load: tuple[float,
     table = Table(title=f"per-step cost of ElasticSession, {spec.name} (seq {spec.seq}), "
                         f"{WORLD} CPU workers (gloo), global batch {args.global_batch}, "
                         f"{args.rounds} x {args.steps} timed steps each way")
-    for col in ("loop", "mean", "median", "min", "stdev", "session's own time / step"):
+    for col in ("loop", "mean", "median", "min", "stdev", "session / step (min of ranks)"):
         table.add_column(col, justify="left" if col == "loop" else "right")
     for loop, label in (("plain", "plain (init_process_group + train_step)"),
                         ("elastic", "elastic (ElasticSession + step/step_done)")):
         s = summary[loop]
         table.add_row(label, *(f"{s[k] * 1e3:.1f} ms" for k in
                                ("mean_s", "median_s", "min_s", "stdev_s", "session_mean_s")))
-    Console(width=150).print(table)
+    console = Console(width=150)
+    console.print(table)
+    parts = Table(title="inside the elastic step boundary, mean per step")
+    parts.add_column("part")
+    for r in range(WORLD):
+        parts.add_column(f"rank {r}", justify="right")
+    names = list(dict.fromkeys(k for pr in summary["parts_per_rank"] for k in pr))
+    for name in names:
+        parts.add_row(name, *(f"{pr.get(name, 0.0) * 1e3:.2f} ms"
+                              for pr in summary["parts_per_rank"]))
+    console.print(parts)
     print(f"elastic / plain: mean {summary['ratio_mean']:.4f}, median "
           f"{summary['ratio_median']:.4f}, min {summary['ratio_min']:.4f}; the session's own "
           f"time is {summary['session_fraction'] * 100:.2f} % of a plain step (goal <= 1 %)")
@@ -197,9 +241,11 @@ def main() -> None:
                     help="sequence length (default 128 for gpt-125m, else the model's; "
                          "0: the model's own)")
     ap.add_argument("--global-batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per loop and round")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per loop and round")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--rounds", type=int, default=1, help="plain+elastic repetitions")
+    ap.add_argument("--elastic-first", action="store_true",
+                    help="run the elastic loop before the plain one in each round")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", action="store_true")
     # the worker side (internal)
@@ -229,6 +275,7 @@ def main() -> None:
                     "--seq", str(args.seq), "--global-batch", str(args.global_batch),
                     "--steps", str(args.steps), "--warmup", str(args.warmup),
                     "--rounds", str(args.rounds), "--ports", ports,
+                    *(["--elastic-first"] if args.elastic_first else []),
                     "--redis", server.url_with_password, "--run",
                     f"overhead-{secrets.token_hex(3)}", "--run-dir", tmp]
             env = dict(os.environ, OMP_NUM_THREADS="1", ETCSLURM_LOG="ERROR", PYTHONWARNINGS="ignore")

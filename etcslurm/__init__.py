@@ -13,7 +13,6 @@ __version__ = "0.1.0"
 _LAZY = {
     # a training script: the session and what configures it
     "ElasticSession": "etcslurm.runtime.session",
-    "LeftRun": "etcslurm.runtime.session",
     "run_worker": "etcslurm.runtime.session",
     "RunSettings": "etcslurm.runtime.config",
     "WorkerOptions": "etcslurm.runtime.config",

@@ -59,10 +59,6 @@ TRANSITIONS = {
 }
 
 
-class LeftRun(Exception):
-    """Raised out of the session when this worker leaves the run (signal, idle, end)."""
-
-
 class ElasticSession:
     """One worker's membership in an elastic run; see the module docstring.
 
@@ -112,9 +108,8 @@ class ElasticSession:
         self.start()
         return self
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self.close(GONE)
-        return exc_type is LeftRun
 
     def start(self) -> None:
         """Register, wait for a generation that takes this worker, enter it."""
@@ -177,9 +172,12 @@ class ElasticSession:
             self.finished = True
             raise
         if final.phase is Phase.LEFT:
+            # this worker is done here (it handed its state over, was sent home, ...): the
+            # training loop ends at its `while not session.finished`
+            log.info("leaving the run: %s", final.reason)
+            self.finished = True
             self.exit_reason = final.reason if final.reason in (
                 "left", "evicted", "checkpointed") else "finished"
-            raise LeftRun(final.reason)
         self._step_started = time.perf_counter()
 
     # ------------------------------------------------------------------ training API
