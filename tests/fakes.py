@@ -153,9 +153,9 @@ class FakeWorld:
     def check_describable(self, trainee: Any) -> None:
         """Stand-in models are always describable."""
 
-    def any(self, flag: bool) -> bool:
-        self.votes.append(flag)
-        return flag
+    def vote(self, change: bool, rank: int, candidate: bool) -> tuple[bool, int | None]:
+        self.votes.append(change)
+        return change, rank if candidate else None
 
     def barrier(self) -> None:
         """Nothing to wait for: one process."""

@@ -197,3 +197,25 @@ def test_no_transition_calls_another() -> None:
                   and isinstance(n.func, ast.Name | ast.Attribute)}
         assert not (called & names) - {fn.__name__}, (fn.__name__, called & names)
         assert fn.__name__ not in called, f"{fn.__name__} recurses"
+
+
+def test_the_decider_agreed_in_the_vote_publishes_without_asking_redis() -> None:
+    """The boundary's all-reduce names the lowest rank that stays; only that rank
+    publishes (rank 0 is leaving here), and nobody reads the member list for it."""
+    coord, gen0 = _running(["w1", "w2", "w3", "w4"])
+    coord.workers["w1"]["state"] = "leaving"
+    reads = []
+    ctx = _member_of(coord, gen0, "w2")
+    original = coord.members
+
+    def counting(deadline: float | None = None) -> dict:
+        reads.append(deadline)
+        return original(deadline)
+
+    coord.members = counting  # type: ignore[method-assign]
+    nxt = transitions.decide(ctx, State(Phase.DECIDE, decider=1))
+    assert nxt.phase is Phase.FOLLOW and nxt.record.leaving == ("w1",)
+    assert len(reads) == 1  # the world view of publish_next only, not the decider
+    other = _member_of(coord, gen0, "w3")
+    assert transitions.decide(other, State(Phase.DECIDE, decider=1)).record == nxt.record
+    assert len(coord.records) == 2  # w3 did not publish a second record

@@ -195,8 +195,8 @@ def choose_config(
     best: tuple | None = None
     rejected: dict[str, int] = {}
     for used in range(n_devices, 0, -1):
-        if best is not None and used < best[0][0]:
-            break
+        if best is not None and used < -best[0][0]:
+            break  # every layout on fewer devices ranks below the best one found
         for cfg in valid_configs(used, spec, gpus_per_node):
             if global_batch % (cfg.dp * micro_batch):
                 rejected["global batch"] = rejected.get("global batch", 0) + 1

@@ -337,11 +337,12 @@ def next_generation(
     migration = plan(plan_inputs(settings, draft))
     by_id = {v: k for k, v in planner_ids.items()}
     world = [by_id[d] for d in migration.assignment]
+    in_world, gone = set(world), set(leavers)
     record = replace(
         draft,
         assignment=_assignment(new_cfg, world, rec_nodes),
-        idle=tuple(w for w in union if w not in set(world) and w not in set(leavers)),
-        joining=tuple(w for w in joiners if w in set(world)),
+        idle=tuple(w for w in union if w not in in_world and w not in gone),
+        joining=tuple(w for w in joiners if w in in_world),
     )
     lost = lost_pieces(migration, padded_vocab(settings.spec, old_cfg.tp))
     if lost:

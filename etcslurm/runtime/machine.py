@@ -64,6 +64,7 @@ class State:
     error: BaseException | None = None  # RECOVER: what failed
     failed: GenerationRecord | None = None  # RECOVER: the change that broke off, if any
     reason: str = ""  # LEFT: why (finished, left, evicted, checkpointed, ...)
+    decider: int | None = None  # DECIDE: the rank that publishes (from the boundary's vote)
 
 
 @dataclass

@@ -228,14 +228,16 @@ class ElasticSession:
                 ctx.coord.publish_generation(
                     end_generation(ctx.record, step, reason=f"finished {step} steps"))
             return
-        if self._boundary_change():
+        change, decider = self._boundary_change()
+        if change:
             if periodic is not None:  # the save belongs to this world: finish it first
                 periodic.finish(ctx.world, ctx.rank)
-            self._run(State(Phase.DECIDE))
+            self._run(State(Phase.DECIDE, decider=decider))
         self._step_started = time.perf_counter()
 
-    def _boundary_change(self) -> bool:
-        """All ranks agree (one all-reduce) whether to change the world now."""
+    def _boundary_change(self) -> tuple[bool, int | None]:
+        """All ranks agree (one all-reduce) whether to change the world now, and on the
+        rank that decides (the lowest one not leaving)."""
         ctx = self.ctx
         assert ctx is not None and ctx.record is not None
         boundary = ctx.boundary
@@ -246,7 +248,7 @@ class ElasticSession:
                 flag = self._leader_sees_change()
             except EtcslurmError as exc:
                 boundary.failed(exc)
-        return ctx.world.any(flag)
+        return ctx.world.vote(flag, ctx.rank or 0, candidate=not boundary.announced)
 
     def _leader_sees_change(self) -> bool:
         from etcslurm.runtime.generation import worth_changing

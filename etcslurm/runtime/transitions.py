@@ -111,10 +111,13 @@ def wait(ctx: Context, state: State) -> State:
 def decide(ctx: Context, state: State) -> State:
     """Everyone at a boundary that changes the world: the decider publishes the next
     generation, all wait for it."""
-    del state
     assert ctx.record is not None
     ctx.change_started = ctx.boundary.signal_at or time.perf_counter()
-    if ctx.boundary.decider(ctx.record) == ctx.worker_id:
+    if state.decider is not None:  # agreed in the boundary's all-reduce: no Redis round
+        decider = ctx.record.workers_by_rank()[state.decider]
+    else:  # everyone is leaving: the coordinator's view decides
+        decider = ctx.boundary.decider(ctx.record)
+    if decider == ctx.worker_id:
         publish_next(ctx, reason="resize at step boundary")
     record = ctx.coord.wait_generation(after=ctx.record.generation,
                                        timeout=ctx.options.decide_timeout)

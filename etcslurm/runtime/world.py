@@ -71,11 +71,15 @@ class World:
         """Drop every process group at once (a peer died, or the worker leaves)."""
         groups.abort()
 
-    def any(self, flag: bool) -> bool:
-        """The step boundary's vote: whether any rank of the world says yes."""
-        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
-        dist.all_reduce(t)
-        return bool(t.item())
+    def vote(self, change: bool, rank: int, candidate: bool) -> tuple[bool, int | None]:
+        """The step boundary's one all-reduce: whether any rank wants a change, and the
+        lowest rank that stays (``candidate``: not leaving) -- the decider, known to
+        every rank without asking the coordinator."""
+        t = torch.tensor([1 if change else 0, -rank if candidate else -(1 << 62)],
+                         dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        lowest = -int(t[1].item())
+        return bool(t[0].item()), (lowest if lowest < (1 << 62) else None)
 
     def barrier(self) -> None:
         dist.barrier()

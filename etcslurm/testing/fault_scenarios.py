@@ -531,3 +531,80 @@ def table(rows: list[Row]) -> str:
             "-" if r.max_loss_diff is None else f"{r.max_loss_diff:.1e}",
         ]) + " |")
     return "\n".join(lines)
+
+
+def kill_coordinator_primary(redis_url: str | None, pw: str | None, run_dir: Path, steps: int,
+                             reference: dict[int, float] | None,
+                             down_after_ms: int = 1000) -> Row:
+    """A replicated coordinator of its own (3 sites on loopback: a primary + 2 replicas +
+    3 Sentinels, ``down_after_ms``): the primary's redis-server is SIGKILLed after step 3,
+    Sentinel promotes a replica, and the run resizes afterwards (one worker leaves at
+    step 6).  ``recover_s``: the kill to the first step event after it."""
+    import threading
+
+    from etcslurm.coord import failover
+    from etcslurm.coord.client import sentinel_url
+    from etcslurm.coord.sentinel import Site
+
+    started: list[Site] = []
+    try:
+        primary = Site(run_dir / "coord-s0", down_after_ms=down_after_ms,
+                       failover_timeout_ms=3000).start()
+        started.append(primary)
+        for i in (1, 2):
+            started.append(Site(run_dir / f"coord-s{i}", password=primary.password,
+                                replica_of=primary.address, down_after_ms=down_after_ms,
+                                failover_timeout_ms=3000).start())
+        url = sentinel_url([s.sentinel.address for s in started if s.sentinel], "etcslurm")
+        pw_file = str(primary.redis.password_file)
+        opts = _options(url, pw_file, run_dir, max(steps, 10), workers=4,
+                        schedule="6:leave=1", min_step_seconds=1.0)
+
+        probe: dict[str, float] = {}
+
+        def first_write(client: Any, t0: float) -> None:
+            # the kill to the first write that succeeds through the Sentinels (the
+            # launcher's own client: it retries until the promoted replica answers)
+            with contextlib.suppress(EtcslurmError):
+                client.call("failover probe", lambda r: r.set(
+                    f"etcslurm-test:failover-probe:{opts.run_id}", "1", ex=60))
+                probe["failover_s"] = round(time.monotonic() - t0, 2)
+
+        def action(run: LocalRun, tracker: Tracker) -> bool:
+            # the Sentinels learn the replicas from the primary's INFO every 10 s
+            failover.settle(run.coord.client, 3)
+            tracker.fault_ts = time.time()
+            t0 = time.monotonic()
+            primary.kill_redis()
+            threading.Thread(target=first_write, args=(run.coord.client, t0),
+                             daemon=True).start()
+            return True
+
+        row = _run("SIGKILL of the coordinator's primary (3 sites, Sentinel)", opts,
+                   at_step(3, action), reference)
+        if row.fault_ts is not None:
+            after = [e for e in row.events if e["type"] == "step" and e["ts"] > row.fault_ts]
+            row.recover_s = round(after[0]["ts"] - row.fault_ts, 2) if after else None
+            with contextlib.suppress(EtcslurmError):
+                client = connect(url, pw_file, retry_deadline=10)
+                try:
+                    row.detail["primary_after"] = failover.topology(client)["primary"]
+                finally:
+                    client.close()
+            row.detail["down_after_ms"] = down_after_ms
+            row.detail.update(probe)  # failover_s: the kill to the first write
+            gens = [int(e["data"]["generation"]) for e in row.events
+                    if e["type"] == "generation.start"]
+            row.detail["generations"] = gens
+            if row.outcome.startswith("completed") and "failover_s" in probe:
+                lost = gens != list(range(len(gens))) or sorted(row.records) != [
+                    g for g in gens if g in row.records]
+                row.outcome += (f"; promoted replica took writes {probe['failover_s']} s "
+                                f"after the kill, {'GENERATIONS LOST' if lost else 'no generation lost'}")
+        return row
+    finally:
+        for site in started:
+            site.stop()
+
+
+SCENARIOS["kill-coordinator-primary"] = kill_coordinator_primary
