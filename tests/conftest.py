@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +49,51 @@ def slurm_cluster() -> str:
     if os.environ.get("ETCSLURM_TEST_SLURM") != "1" or not os.environ.get("SLURM_CONF"):
         _missing("the local Slurm cluster (sbin/slurm-cluster start)")
     return os.environ["SLURM_CONF"]
+
+
+#: the shared reference covers the longest scenario that compares with it (12 steps)
+REFERENCE_STEPS = 12
+
+
+class Reference:
+    """The one-worker run of gpt-tiny (global batch 12) that never resizes: what every
+    elastic or faulty run of the same model and batch must train like.  Started in a
+    thread on first use, so it trains while the first test using it runs; :meth:`get`
+    waits for it (bounded).  One per session: tests share it instead of each training
+    their own."""
+
+    def __init__(self, redis_url: str, run_dir: Path) -> None:
+        import threading
+
+        self.losses: dict[int, float] | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(redis_url, run_dir), daemon=True)
+        self.thread.start()
+
+    def _run(self, redis_url: str, run_dir: Path) -> None:
+        from etcslurm.testing import fault_scenarios as fm
+
+        try:
+            self.losses = fm.reference_losses(redis_url, None, run_dir, REFERENCE_STEPS)
+        except BaseException as exc:  # reported by get()
+            self.error = exc
+
+    def get(self, timeout: float = 900) -> dict[int, float]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"reference run not done within {timeout} s"
+        assert self.error is None, self.error
+        assert self.losses is not None
+        assert sorted(self.losses) == list(range(1, REFERENCE_STEPS + 1))
+        return self.losses
+
+    def max_diff(self, losses: dict[int, float]) -> float:
+        """The largest |loss − reference| over the steps both have."""
+        ref = self.get()
+        common = sorted(set(losses) & set(ref))
+        assert common, "no step in common with the reference"
+        return max(abs(losses[s] - ref[s]) for s in common)
+
+
+@pytest.fixture(scope="session")
+def reference(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    return Reference(redis_url, tmp_path_factory.mktemp("ref"))

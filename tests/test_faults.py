@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,41 +25,10 @@ from etcslurm.testing import fault_scenarios as fm
 from tests.helpers import pids_alive
 
 STEPS = 6
-#: the reference covers the longest scenario (the mid-migration ones run 12 steps)
-REFERENCE_STEPS = 12
+#: the shared reference (tests/conftest.py) covers the longest scenario (12 steps)
 
 
-class _Reference:
-    """The one-worker no-resize run, started in a thread on first use so it trains
-    while the first scenario runs; :meth:`get` waits for it (bounded)."""
-
-    def __init__(self, redis_url: str, run_dir: Path) -> None:
-        self.losses: dict[int, float] | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(redis_url, run_dir), daemon=True)
-        self.thread.start()
-
-    def _run(self, redis_url: str, run_dir: Path) -> None:
-        try:
-            self.losses = fm.reference_losses(redis_url, None, run_dir, REFERENCE_STEPS)
-        except BaseException as exc:  # reported by get()
-            self.error = exc
-
-    def get(self, timeout: float = 900) -> dict[int, float]:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"reference run not done within {timeout} s"
-        assert self.error is None, self.error
-        assert self.losses is not None
-        assert sorted(self.losses) == list(range(1, REFERENCE_STEPS + 1))
-        return self.losses
-
-
-@pytest.fixture(scope="module")
-def reference(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> _Reference:
-    return _Reference(redis_url, tmp_path_factory.mktemp("ref"))
-
-
-def _measured(row: Any, reference: _Reference | None = None) -> Any:
+def _measured(row: Any, reference: Any | None = None) -> Any:
     """Fill the loss column once the reference is there; with ``FAULT_MATRIX_ROWS`` set,
     append the measured row (JSON line) for ``benchmarks/fault_matrix.py --rows``."""
     if reference is not None and row.result is not None:
@@ -108,7 +76,7 @@ def _assert_recovered_from_replicas(row) -> None:
 
 @pytest.mark.slow
 @pytest.mark.redis
-def test_sigkill_of_a_worker_rebuilds_from_replicas(redis_url: str, reference: _Reference,
+def test_sigkill_of_a_worker_rebuilds_from_replicas(redis_url: str, reference: Any,
                                                     tmp_path: Path) -> None:
     row = _measured(fm.kill_worker(redis_url, None, tmp_path, STEPS, None), reference)
     _assert_recovered_from_replicas(row)
@@ -119,7 +87,7 @@ def test_sigkill_of_a_worker_rebuilds_from_replicas(redis_url: str, reference: _
 
 @pytest.mark.slow
 @pytest.mark.redis
-def test_sigkill_of_the_leader_rebuilds_from_replicas(redis_url: str, reference: _Reference,
+def test_sigkill_of_the_leader_rebuilds_from_replicas(redis_url: str, reference: Any,
                                                       tmp_path: Path) -> None:
     row = _measured(fm.kill_leader(redis_url, None, tmp_path, STEPS, None), reference)
     _assert_recovered_from_replicas(row)
@@ -132,7 +100,7 @@ def test_sigkill_of_the_leader_rebuilds_from_replicas(redis_url: str, reference:
 @pytest.mark.slow
 @pytest.mark.redis
 def test_preemption_during_a_migration_gives_two_resizes_back_to_back(
-        redis_url: str, reference: _Reference, tmp_path: Path) -> None:
+        redis_url: str, reference: Any, tmp_path: Path) -> None:
     row = _measured(fm.preempt_during_migration(redis_url, None, tmp_path, STEPS, None), reference)
     res = row.result
     assert row.error is None, row.error
@@ -152,7 +120,7 @@ def test_preemption_during_a_migration_gives_two_resizes_back_to_back(
 @pytest.mark.slow
 @pytest.mark.redis
 def test_sigkill_of_a_receiver_mid_migration_falls_back_to_the_old_state(
-        redis_url: str, reference: _Reference, tmp_path: Path) -> None:
+        redis_url: str, reference: Any, tmp_path: Path) -> None:
     row = _measured(fm.kill_receiver_mid_migration(redis_url, None, tmp_path, STEPS, None),
                     reference)
     res = row.result
@@ -194,7 +162,7 @@ def _assert_completed(row, steps: int) -> None:
 @pytest.mark.redis
 @pytest.mark.parametrize("who", ["sender", "leader"])
 def test_sigkill_of_a_sender_mid_transfer_replans_from_the_old_state(
-        who: str, redis_url: str, reference: _Reference, tmp_path: Path) -> None:
+        who: str, redis_url: str, reference: Any, tmp_path: Path) -> None:
     """A joiner is receiving its replica in several rounds; a rank that has already sent
     part of its share is killed (rank 2, or rank 0, the one that publishes): the
     exchange fails everywhere, nothing was applied, the change is planned again from the
@@ -221,7 +189,7 @@ def test_sigkill_of_a_sender_mid_transfer_replans_from_the_old_state(
 @pytest.mark.slow
 @pytest.mark.redis
 def test_sigkill_while_the_new_world_forms_falls_back_to_the_old_state(
-        redis_url: str, reference: _Reference, tmp_path: Path) -> None:
+        redis_url: str, reference: Any, tmp_path: Path) -> None:
     """While the new world forms (before the exchange; nobody has committed the new
     generation and the leaver is still there): a new member dies; everyone returns to
     the old generation's state and the change is planned again from it."""
@@ -243,7 +211,7 @@ def test_sigkill_while_the_new_world_forms_falls_back_to_the_old_state(
 @pytest.mark.slow
 @pytest.mark.redis
 def test_a_joiner_that_never_arrives_is_dropped_and_the_change_replanned(
-        redis_url: str, reference: _Reference, tmp_path: Path) -> None:
+        redis_url: str, reference: Any, tmp_path: Path) -> None:
     row = _measured(fm.joiner_never_arrives(redis_url, None, tmp_path, STEPS, None), reference)
     _assert_completed(row, 12)
     gens = [row.records[g] for g in sorted(row.records)]
@@ -261,7 +229,7 @@ def test_a_joiner_that_never_arrives_is_dropped_and_the_change_replanned(
 @pytest.mark.slow
 @pytest.mark.redis
 def test_training_goes_on_while_redis_is_unreachable_for_30_s(
-        reference: _Reference, tmp_path: Path) -> None:
+        reference: Any, tmp_path: Path) -> None:
     """Redis hung for 30 s (longer than ``dead_after`` and ``collective_timeout``, which
     keep their 10 s defaults): no step waits for it, nobody is taken for dead, and the
     events of the steps trained meanwhile arrive once it answers."""
@@ -278,7 +246,7 @@ def test_training_goes_on_while_redis_is_unreachable_for_30_s(
 @pytest.mark.redis
 @pytest.mark.parametrize("outage", [0.0])
 def test_redis_restart_mid_run(outage: float, redis_url: str,
-                               reference: _Reference, tmp_path: Path) -> None:
+                               reference: Any, tmp_path: Path) -> None:
     row = _measured(fm.redis_restart(None, None, tmp_path, STEPS, None, outage=outage),
                    reference)
     res = row.result
@@ -331,7 +299,7 @@ def test_corrupted_message_is_caught_and_names_the_piece() -> None:
 @pytest.mark.slow
 @pytest.mark.redis
 def test_lost_pieces_roll_back_to_the_last_periodic_checkpoint(redis_url: str,
-                                                              reference: _Reference,
+                                                              reference: Any,
                                                               tmp_path: Path) -> None:
     """With periodic checkpoints, a death that leaves state with no holder rolls the run
     back to the latest complete checkpoint on the survivor (not exit 5): the steps since
