@@ -119,7 +119,7 @@ class Run:
     def world(self) -> dict[str, Any]:
         rec = self.coord.current_generation()
         assert rec is not None
-        return rec
+        return rec.to_json()
 
     def finished(self) -> bool:
         """Rank 0 reported the last step and every worker has left (its data log is

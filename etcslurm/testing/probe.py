@@ -42,11 +42,18 @@ def describe(env: SlurmEnvironment) -> dict[str, Any]:
 def ping(url: str | None) -> bool | str:
     if not url:
         return False
-    import redis
+    import os
 
-    try:
-        return bool(redis.Redis.from_url(url, socket_timeout=5).ping())
-    except redis.RedisError as exc:
+    from etcslurm.coord.client import connect
+    from etcslurm.errors import EtcslurmError
+
+    try:  # etcslurm's client: plain and redis+sentinel:// URLs alike
+        client = connect(url, os.environ.get("ETCSLURM_PASSWORD_FILE"), retry_deadline=30)
+        try:
+            return bool(client.call(lambda r: r.ping()))
+        finally:
+            client.close()
+    except EtcslurmError as exc:
         return f"error: {exc}"
 
 
