@@ -17,7 +17,8 @@ from etcslurm.bench.driver import MigrateRequest, run
 def _run(**kw: object) -> dict:
     req = MigrateRequest(model="gpt-tiny", repeat=1, steps_before=1, steps_after=1,
                          timeout=120, staging_mb=1, measure_bandwidth=False,
-                         async_checkpoint=False, **kw)
+                         async_checkpoint=False, refit=False,  # refit: test_refit_oracle.py
+                         **kw)
     return run(req)
 
 

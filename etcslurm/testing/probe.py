@@ -50,7 +50,7 @@ def ping(url: str | None) -> bool | str:
     try:  # etcslurm's client: plain and redis+sentinel:// URLs alike
         client = connect(url, os.environ.get("ETCSLURM_PASSWORD_FILE"), retry_deadline=30)
         try:
-            return bool(client.call(lambda r: r.ping()))
+            return bool(client.call("ping", lambda r: r.ping()))
         finally:
             client.close()
     except EtcslurmError as exc:
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         while time.monotonic() < end:
             if trap.received:
                 if args.requeue_on_signal and env.proc_id == 0:
-                    from etcslurm.slurm.submission import requeue
+                    from etcslurm.job.environment import requeue
 
                     requeue(env.job_id)
                 time.sleep(args.linger)
