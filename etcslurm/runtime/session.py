@@ -105,7 +105,11 @@ class ElasticSession:
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> ElasticSession:
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # __exit__ is not called for a failed __enter__
+            self.close(GONE)
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
