@@ -32,6 +32,7 @@ from etcslurm.coord.server import (
     _tail,
     find_redis_server,
     start_on_a_port,
+    stop_process,
     write_private,
 )
 from etcslurm.errors import CoordinatorError, UsageError
@@ -128,14 +129,7 @@ class BundledSentinel:
 
     def stop(self, timeout: float = 5.0) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
+        stop_process(proc, timeout)
 
     def __enter__(self) -> BundledSentinel:
         return self.start()

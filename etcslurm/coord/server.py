@@ -274,14 +274,7 @@ class BundledRedis:
 
     def _kill(self, timeout: float = 5.0) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
+        stop_process(proc, timeout)
 
     def _write_state(self) -> None:
         state = {
@@ -395,3 +388,15 @@ def start_on_a_port(server: Any, spawn: Any, kill: Any) -> None:
             kill()
             if fixed_port or not (died and in_use) or attempt == 4:
                 raise
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 5.0) -> None:
+    """SIGTERM a server process we started, SIGKILL it if it does not go in ``timeout``."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
