@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = SCENARIOS[name](url, pw, d, args.steps, ref)  # type: ignore[misc]
             rows.append(row)
             print(table([row]).splitlines()[-1], file=sys.stderr)
+            if row.error:  # why a row failed, not only that it did
+                print(f"  error: {row.error}", file=sys.stderr)
     if args.json:
         print(json.dumps([r.to_json() for r in rows], indent=1))
     else:

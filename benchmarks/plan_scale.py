@@ -1,25 +1,28 @@
 """Planner scale benchmark: plan time and peak memory at 1k-16k devices.
 
 Run: ``python benchmarks/plan_scale.py [--optimizer adam|distributed|both]
-[--pattern dp|stage|scatter|all] [--max-devices N]``.
+[--pattern dp|stage|scatter|all] [--model gpt-70b|llama3-70b|all] [--max-devices N]``.
 
-Targets (issue 17): gpt-70b 8192 → 6144 devices < 1 s and < 1 GiB on one core, 16384 →
-12288 < 2 s, for both leave patterns and both optimizers:
+Targets (issue 17), on one core: 8192 → 6144 devices < 1 s and < 1 GiB, 16384 → 12288
+< 2 s, for gpt-70b and llama3-70b, every leave pattern, both optimizers:
 
 - ``dp``: whole DP replicas leave (dp index >= new dp), the common preemption case;
 - ``stage``: whole pipeline stages leave (the last ranks; ``etcslurm plan --leave
   6144-8191`` for tp8pp8dp128 → tp8pp8dp96): their state must come from the leavers;
-- ``scatter`` (not in ``all``'s default pair): every 4th DP replica leaves.
+- ``scatter``: every 4th DP replica leaves (holes spread over the whole job).
 
 Each case runs in a fresh subprocess, so ``rss_MiB`` (ru_maxrss) is that case's own peak
-(inputs + plan).  ``cpu_s`` is the planner's CPU time, ``plan_s`` its wall time (they
-differ on a loaded machine).
+(inputs + plan).  ``cpu_s`` is the planner's own CPU time (``time.process_time``: the
+machine this runs on is shared, so wall time ``plan_s`` says more about the neighbours
+than about the planner); the load average is printed before and after.  The table ends
+with a summary of ``cpu_s`` per case (a markdown table, as in ``docs/planning.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -30,26 +33,34 @@ from etcslurm.core.models import PRESETS
 from etcslurm.core.planner import gpt_inputs, plan
 
 P = ParallelConfig
-#: (model, old, new) per pattern; stage cases drop the last old pipeline stages
-CASES = {
+#: (model, old, new) per pattern; stage cases drop the last two old pipeline stages
+#: (pp is the outermost rank index), e.g. ranks 6144-8191 of tp8pp8dp128 at 8k
+CASES: dict[str, list[tuple[str, ParallelConfig, ParallelConfig]]] = {
     "dp": [
-        ("gpt-70b", P(8, 8, 16), P(8, 8, 12)),     # 1k
-        ("gpt-70b", P(8, 8, 64), P(8, 8, 48)),     # 4k
-        ("gpt-70b", P(8, 8, 128), P(8, 8, 96)),    # 8k (target < 1 s)
-        ("gpt-70b", P(8, 8, 256), P(8, 8, 192)),   # 16k (target < 2 s)
+        ("gpt-70b", P(8, 8, 16), P(8, 8, 12)),       # 1k
+        ("gpt-70b", P(8, 8, 64), P(8, 8, 48)),       # 4k
+        ("gpt-70b", P(8, 8, 128), P(8, 8, 96)),      # 8k (target < 1 s)
+        ("gpt-70b", P(8, 8, 256), P(8, 8, 192)),     # 16k (target < 2 s)
+        ("llama3-70b", P(8, 8, 128), P(8, 8, 96)),   # 8k
+        ("llama3-70b", P(8, 8, 256), P(8, 8, 192)),  # 16k
     ],
     "stage": [
-        ("gpt-70b", P(8, 8, 16), P(8, 8, 12)),     # 1k, leave 768-1023
-        ("gpt-70b", P(8, 8, 128), P(8, 8, 96)),    # 8k, leave 6144-8191
-        ("gpt-70b", P(8, 16, 128), P(8, 16, 96)),  # 16k, leave 12288-16383
+        ("gpt-70b", P(8, 8, 16), P(8, 8, 12)),       # 1k, leave 768-1023
+        ("gpt-70b", P(8, 8, 128), P(8, 8, 96)),      # 8k, leave 6144-8191
+        ("gpt-70b", P(8, 16, 128), P(8, 16, 96)),    # 16k, leave 12288-16383
+        ("llama3-70b", P(8, 8, 128), P(8, 8, 96)),   # 8k, leave 6144-8191
+        ("llama3-70b", P(8, 16, 128), P(8, 16, 96)),  # 16k, leave 12288-16383
     ],
     "scatter": [
-        ("gpt-70b", P(8, 8, 128), P(8, 8, 96)),    # 8k, every 4th DP replica
+        ("gpt-70b", P(8, 8, 128), P(8, 8, 96)),      # 8k, every 4th DP replica
+        ("gpt-70b", P(8, 8, 256), P(8, 8, 192)),     # 16k
+        ("llama3-70b", P(8, 8, 128), P(8, 8, 96)),   # 8k
     ],
 }
 
 
 def leavers(pattern: str, old: ParallelConfig, new: ParallelConfig) -> list[str]:
+    """The old ranks that leave under ``pattern`` (see the module docstring)."""
     n = old.world_size
     if pattern == "dp":
         return [str(r) for r in range(n) if old.coord(r).dp >= new.dp]
@@ -60,6 +71,7 @@ def leavers(pattern: str, old: ParallelConfig, new: ParallelConfig) -> list[str]
 
 
 def one(opt: str, pattern: str, idx: int) -> dict:
+    """Build the inputs and plan one case (in this process); its measurements."""
     model, old, new = CASES[pattern][idx]
     leave = leavers(pattern, old, new)
     t0 = time.perf_counter()
@@ -81,10 +93,35 @@ def one(opt: str, pattern: str, idx: int) -> dict:
     }
 
 
+def _load() -> str:
+    a, b, c = os.getloadavg()
+    return f"load average {a:.1f} {b:.1f} {c:.1f}"
+
+
+def _size(devices: int) -> str:
+    return f"{devices // 1024}k"
+
+
+def _summary(rows: list[dict]) -> list[str]:
+    """``cpu_s`` per (optimizer, pattern, model) and size, as markdown lines."""
+    sizes = sorted({r["devices"] for r in rows})
+    lines = ["| optimizer | leave | model | " + " | ".join(_size(s) for s in sizes) + " |",
+             "|---" * (3 + len(sizes)) + "|"]
+    groups: dict[tuple[str, str, str], dict[int, float]] = {}
+    for r in rows:
+        groups.setdefault((r["optimizer"], r["pattern"], r["model"]), {})[r["devices"]] = \
+            r["cpu_s"]
+    for (opt, pattern, model), by_size in groups.items():
+        cells = [f"{by_size[s]:.2f}" if s in by_size else "—" for s in sizes]
+        lines.append(f"| {opt} | {pattern} | {model} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--optimizer", default="both", choices=["adam", "distributed", "both"])
     ap.add_argument("--pattern", default="all", choices=["dp", "stage", "scatter", "all"])
+    ap.add_argument("--model", default="all", choices=["gpt-70b", "llama3-70b", "all"])
     ap.add_argument("--max-devices", type=int, default=16384)
     ap.add_argument("--one", nargs=3, metavar=("OPT", "PATTERN", "IDX"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -92,23 +129,29 @@ def main() -> None:
         print(json.dumps(one(args.one[0], args.one[1], int(args.one[2]))))
         return
     opts = ["adam", "distributed"] if args.optimizer == "both" else [args.optimizer]
-    patterns = ["dp", "stage"] if args.pattern == "all" else [args.pattern]
-    print(f"{'optimizer':11} {'leave':7} {'model':8} {'from':>12} {'to':>12} {'devices':>7} "
+    patterns = ["dp", "scatter", "stage"] if args.pattern == "all" else [args.pattern]
+    print(_load() + " (cpu_s is process CPU time)")
+    print(f"{'optimizer':11} {'leave':7} {'model':10} {'from':>12} {'to':>12} {'devices':>7} "
           f"{'inputs_s':>8} {'plan_s':>7} {'cpu_s':>6} {'rss_MiB':>8} {'moved_GiB':>9} "
           f"{'=bound':>6} {'messages':>8} {'rounds':>6}")
+    rows = []
     for opt in opts:
         for pattern in patterns:
-            for idx, (_, old, _) in enumerate(CASES[pattern]):
-                if old.world_size > args.max_devices:
+            for idx, (model, old, _) in enumerate(CASES[pattern]):
+                if old.world_size > args.max_devices or args.model not in ("all", model):
                     continue
                 out = subprocess.run([sys.executable, __file__, "--one", opt, pattern, str(idx)],
                                      capture_output=True, text=True, check=True).stdout
                 r = json.loads(out.strip().splitlines()[-1])
-                print(f"{opt:11} {pattern:7} {r['model']:8} {r['from']:>12} {r['to']:>12} "
+                rows.append(r)
+                print(f"{opt:11} {pattern:7} {r['model']:10} {r['from']:>12} {r['to']:>12} "
                       f"{r['devices']:>7} {r['inputs_s']:8.2f} {r['plan_s']:7.2f} "
                       f"{r['cpu_s']:6.2f} {r['rss_MiB']:8.0f} {r['moved_GiB']:9.1f} "
                       f"{'yes' if r['at_lower_bound'] else 'NO':>6} {r['messages']:>8} "
                       f"{r['rounds']:>6}", flush=True)
+    print(_load())
+    print()
+    print("\n".join(_summary(rows)))
 
 
 if __name__ == "__main__":

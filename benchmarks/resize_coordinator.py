@@ -11,12 +11,16 @@ until the slowest worker is done:
   (``worker.signal`` event, ``Coordinator.leave``: state ``leaving`` + a drain request).
 * ``boundary poll``: rank 0's poll, as ``ElasticSession._leader_sees_change`` does
   (``Boundary.world_view`` + ``pending_request`` + ``worth_changing``).
-* what ``transitions.decide`` runs, one part after the other: ``Boundary.decider`` on every
-  rank; the decider's ``transitions.publish_next`` (world view, ``next_generation`` with
-  the planner, the CAS); every worker's ``wait_generation``.  In the runtime the waiting
-  workers poll meanwhile (5 ms doubling to 100 ms); the row ``(each wait_generation poll
-  round)`` is what one such round costs (every worker reads and parses the current
-  record), shown apart and not in the total.
+* ``decide``: ``transitions.decide`` on every worker at once, as the runtime runs it after
+  the boundary's all-reduce agreed on the decider (the lowest rank that stays): the decider
+  runs ``transitions.publish_next`` (world view, ``next_generation`` with the planner, the
+  CAS) while every other worker waits in ``Coordinator.wait_generation`` (blocked on the
+  run's ``news`` stream, O(1) each); then every worker reads the record once.  Marks: the
+  decider's ``publish_next`` (and its world view and plan), and when the last worker
+  had the record, and what one worker's parse of the record costs (each host parses it
+  once; the threads here share one parse, see ``coordinator._parse_record``).  The row ``(a waiting worker's re-check)`` is what one waiter costs
+  each time it looks again without news (one ``head`` call, every 2 s): shown apart,
+  not in the total.
 * ``form new world``: the new world's N-k ranks on :class:`~etcslurm.coord.store.RedisStore`
   the way an NCCL group meets (``migration.rebuild`` event; rank 0 sets the unique id key
   under the generation's prefix, every other rank ``get``s it, which waits for it).
@@ -59,6 +63,7 @@ from rich.table import Table
 
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import ACTIVE, Coordinator
+from etcslurm.coord.records import GenerationRecord
 from etcslurm.coord.server import BundledRedis
 from etcslurm.coord.store import RedisStore
 from etcslurm.core.models import PRESETS
@@ -68,11 +73,10 @@ from etcslurm.runtime.config import RunSettings, WorkerOptions
 from etcslurm.runtime.generation import first_generation, worth_changing
 from etcslurm.runtime.machine import Phase, State
 
-PHASES = ("announce", "boundary poll", "decider() on every rank", "publish_next (decider)",
-          "every worker reads the record", "form new world", "form exchange group",
-          "enter + commit")
-#: a diagnostic row, not part of the resize total: one poll of every waiting worker
-POLL = "(each wait_generation poll round)"
+PHASES = ("announce", "boundary poll", "decide (publish; every worker gets the record)",
+          "form new world", "form exchange group", "enter + commit")
+#: a diagnostic row, not part of the resize total: every waiting worker looks once more
+POLL = "(a waiting worker's re-check, each 2 s)"
 #: bytes of an NCCL unique id (what rank 0 puts in the store)
 UNIQUE_ID_BYTES = 128
 
@@ -156,8 +160,7 @@ class Simulation:
         jobs: list[tuple[str, Callable[[int], None]]] = [
             ("register", self.register), ("generation 0", self.enter_first),
             ("announce", self.announce), ("boundary poll", self.boundary_poll),
-            ("decider() on every rank", self.decider), (POLL, self.poll_round),
-            ("publish_next (decider)", self.publish), ("every worker reads the record", self.read),
+            (POLL, self.poll_round), (PHASES[2], self.decide),
             ("form new world", self.form_world),
             ("form exchange group", self.form_exchange), ("enter + commit", self.commit),
         ]
@@ -254,19 +257,22 @@ class Simulation:
         if not changed or len(view.leaving) != self.k:
             raise AssertionError(f"the leader saw no change ({len(view.leaving)} leaving)")
 
-    def decider(self, i: int) -> None:
-        ctx = self._ctx_by[i]
-        ctx.decider = ctx.boundary.decider(ctx.record)
-
     def poll_round(self, i: int) -> None:
-        """What one ``wait_generation`` poll costs while nothing new is published: every
-        waiting worker reads (and parses) the current record."""
-        rec = self._ctx_by[i].coord.current_generation()
-        assert rec is not None and rec.generation == 0
+        """What a waiting worker costs each time it looks again without news (every
+        ``NEWS_BLOCK_S``): one O(1) head read, whatever N."""
+        head = self._ctx_by[i].coord.watch(0, timeout=0)
+        assert head.generation == 0, head
 
-    def publish(self, i: int) -> None:
+    def decide(self, i: int) -> None:
+        """``transitions.decide`` as the runtime runs it on every rank after the vote."""
         ctx = self._ctx_by[i]
-        if ctx.decider == ctx.worker_id:
+        record = ctx.record
+        leaving = {c.worker_id for c in self.coords[self.n - self.k:]}
+        # the boundary's all-reduce: the lowest rank that is not leaving decides
+        decider = min(r for r, w in enumerate(record.workers_by_rank()) if w not in leaving)
+        real_publish = transitions.publish_next
+        is_decider = record.workers_by_rank()[decider] == ctx.worker_id
+        if is_decider:
             real_next, real_view = transitions.next_generation, ctx.boundary.world_view
 
             def timed(fn: Callable[..., Any], mark: str) -> Callable[..., Any]:
@@ -278,21 +284,30 @@ class Simulation:
                         self._mark(mark, time.perf_counter() - t0)
                 return run
 
+            # only the decider calls these: patching the module for this phase is safe
             transitions.next_generation = timed(real_next, "of which next_generation (plan)")
             ctx.boundary.world_view = timed(real_view, "of which world_view (members)")
-            try:
-                transitions.publish_next(ctx, reason="resize at step boundary")
-            finally:
+            transitions.publish_next = timed(real_publish, "publish_next (decider)")
+        try:
+            state = transitions.decide(ctx, State(Phase.DECIDE, decider=decider))
+        finally:
+            if is_decider:
                 transitions.next_generation = real_next
+                transitions.publish_next = real_publish
                 del ctx.boundary.world_view
-
-    def read(self, i: int) -> None:
-        ctx = self._ctx_by[i]
-        record = ctx.coord.wait_generation(after=ctx.record.generation,
-                                           timeout=self.options.decide_timeout)
+        self._mark("last worker has the record @", time.perf_counter())
+        assert state.phase is Phase.FOLLOW and state.record.generation == 1, state
         if i == 0:
-            self.record1 = record
-        ctx.new_record = record
+            self.record1 = state.record
+            # what each host pays to parse the record (O(N)); the simulated workers share
+            # one parse (the coordinator hands the same bytes' record out again), so it
+            # is measured here, once, on a fresh copy
+            doc = json.loads(json.dumps(state.record.to_json()))
+            c0 = time.thread_time()
+            GenerationRecord.from_json(doc)
+            self._mark("one worker's parse of the record (CPU, not shared)",
+                       time.thread_time() - c0)
+        ctx.new_record = state.record
 
     def _group(self, i: int, members: list[str], prefix: str) -> None:
         ctx = self._ctx_by[i]
@@ -375,6 +390,14 @@ def _ratios(values: list[float], ns: list[int]) -> str:
     return " ".join(out)
 
 
+def _overall(values: list[float], ns: list[int]) -> str:
+    """The mean growth per doubling from the smallest N to the largest: 2.0 is linear,
+    4.0 quadratic."""
+    if len(values) < 2 or values[0] <= 0 or values[-1] <= 0 or ns[-1] <= ns[0]:
+        return "-"
+    return f"{(values[-1] / values[0]) ** (1 / math.log2(ns[-1] / ns[0])):.2f}"
+
+
 def render(results: list[dict[str, Any]], load: tuple[float, float, float]) -> None:
     console = Console(width=160)
     ns = [r["workers"] for r in results]
@@ -386,22 +409,25 @@ def render(results: list[dict[str, Any]], load: tuple[float, float, float]) -> N
     for n in ns:
         table.add_column(f"N={n}", justify="right")
     table.add_column("x per doubling", justify="right")
+    table.add_column(f"{ns[0]}→{ns[-1]}, x per doubling", justify="right")
     rows = [*PHASES, "resize total", POLL]
     for name in rows:
         vals = [(r["resize_total"]["wall_s"] if name == "resize total"
                  else r["phases"][name]["wall_s"]) for r in results]
-        table.add_row(name, *(_fmt_s(v) for v in vals), _ratios(vals, ns))
+        table.add_row(name, *(_fmt_s(v) for v in vals), _ratios(vals, ns), _overall(vals, ns))
         if name in PHASES:
             extra_names = list(results[-1]["phases"][name]["extra"])
             for extra in extra_names:
                 ev = [r["phases"][name]["extra"].get(extra, 0.0) for r in results]
-                table.add_row(f"  {extra}", *(_fmt_s(v) for v in ev), _ratios(ev, ns))
+                table.add_row(f"  {extra}", *(_fmt_s(v) for v in ev), _ratios(ev, ns),
+                              _overall(ev, ns))
     est = [sum(r["phases"][p]["redis_cpu_s"] + r["phases"][p]["client_cpu_max_s"]
                for p in PHASES) for r in results]
     table.add_row("est., a host per worker: Σ (Redis CPU + slowest worker CPU)",
-                  *(_fmt_s(v) for v in est), _ratios(est, ns))
+                  *(_fmt_s(v) for v in est), _ratios(est, ns), _overall(est, ns))
     reg = [r["phases"]["register"]["wall_s"] for r in results]
-    table.add_row("(setup) register all", *(_fmt_s(v) for v in reg), _ratios(reg, ns))
+    table.add_row("(setup) register all", *(_fmt_s(v) for v in reg), _ratios(reg, ns),
+                  _overall(reg, ns))
     console.print(table)
 
     t2 = Table(title="the same phases at the Redis server (shared by every deployment) "
@@ -411,6 +437,7 @@ def render(results: list[dict[str, Any]], load: tuple[float, float, float]) -> N
     for n in ns:
         t2.add_column(f"N={n}", justify="right")
     t2.add_column("x per doubling", justify="right")
+    t2.add_column(f"{ns[0]}→{ns[-1]}", justify="right")
     for name in rows:
         get = ((lambda r, key: r["resize_total"][key]) if name == "resize total"
                else (lambda r, key, name=name: r["phases"][name][key]))
@@ -423,11 +450,11 @@ def render(results: list[dict[str, Any]], load: tuple[float, float, float]) -> N
         ):
             vals = [float(get(r, key)) for r in results]
             t2.add_row(name if key == "redis_cpu_s" else "", label, *(fmt(v) for v in vals),
-                       _ratios(vals, ns))
+                       _ratios(vals, ns), _overall(vals, ns))
         t2.add_section()
     sizes = [r["record_bytes"] for r in results]
-    t2.add_row("record", "JSON size", *(f"{v / 1024:.0f} KiB" for v in sizes),
-               _ratios([float(s) for s in sizes], ns))
+    t2.add_row("record", "JSON size", *(f"{v / 1024:.1f} KiB" for v in sizes),
+               _ratios([float(s) for s in sizes], ns), _overall([float(s) for s in sizes], ns))
     console.print(t2)
 
 

@@ -71,6 +71,34 @@ class FakeCoordinator:
                     return rec
         raise WaitTimeout(f"no generation after {after} within {timeout} s")
 
+    def watch(self, generation: int, timeout: float, committed: int | None = None) -> Any:
+        """The coordinator's O(1) wait: the head (generation and committed numbers) once
+        either moved past what the caller has, else after ``timeout`` (briefly here)."""
+        def head() -> Any:
+            cur = self.current_generation()
+            return SimpleNamespace(generation=-1 if cur is None else cur.generation,
+                                   committed=self.committed, cursor="0-0")
+
+        def moved(h: Any) -> bool:
+            return h.generation > generation or (committed is not None
+                                                 and h.committed > committed)
+
+        h = head()
+        if not moved(h) and timeout > 0:
+            if self.on_wait is not None:
+                self.on_wait(self)
+                h = head()
+            if not moved(h):
+                time.sleep(min(timeout, 0.01))
+        return h
+
+    def alive(self, worker: str) -> bool:
+        info = self.workers.get(worker, {})
+        return bool(info.get("alive")) and info.get("state") in ("joining", "active")
+
+    def leader(self) -> str | None:
+        return self.leader_id or self.me
+
     def commit_generation(self, generation: int) -> None:
         self.committed = max(self.committed, generation)
 
@@ -143,6 +171,10 @@ class FakeWorld:
     def form_and_build(self, generation: int, layout: ParallelConfig, rank: int) -> FakeTrainee:
         self.formed.append((generation, str(layout), rank))
         return FakeTrainee(str(layout), rank)
+
+    def can_keep(self, trainee: Any, old: Any, new: Any) -> bool:
+        """Stand-in models are never kept (the real test is the multi-process one)."""
+        return False
 
     def abort(self) -> None:
         self.aborted += 1

@@ -58,6 +58,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 TINY = ["--model", "gpt-tiny"]
+MOE = ["--model", "moe-tiny"]
 DEMO = ["demo", "--no-monitor", "--no-reference", "--steps", "4", "--workers", "2"]
 
 # (id, argv, exit code, a phrase the one-line message must contain)
@@ -89,6 +90,26 @@ OFFLINE = [
     ("model-zero-layers", ["plan", "--model", "layers=0,hidden=64,heads=4,vocab=100,seq=16",
                            "--from", "tp1pp1dp2", "--to", "tp1pp1dp1", "--leave", "1"],
      USAGE, "positive integer"),
+    # expert parallelism: one line naming the problem (and the valid layouts), exit 2
+    ("ep-does-not-divide-dp", ["plan", *MOE, "--from", "tp1pp1dp3ep2", "--to", "tp1pp1dp3"],
+     USAGE, "ep=2 does not divide dp=3"),
+    ("ep-does-not-divide-experts", ["plan", *MOE, "--from", "tp1pp1dp3ep3", "--to", "tp1pp1dp3"],
+     USAGE, "experts=4 is not divisible by ep=3"),
+    ("ep-on-a-dense-model", ["plan", *TINY, "--from", "tp1pp1dp4ep2", "--to", "tp1pp1dp4"],
+     USAGE, "needs a mixture-of-experts model"),
+    ("ep-zero", ["plan", *MOE, "--from", "tp1pp1dp4ep0", "--to", "tp1pp1dp4"], USAGE,
+     "at least 1"),
+    ("ep-malformed", ["plan", *MOE, "--from", "tp1pp1dp4ep", "--to", "tp1pp1dp4"], USAGE,
+     "tp<N>pp<N>dp<N>[ep<N>]"),
+    ("bench-ep-does-not-divide-dp", ["bench", "migrate", *MOE, "--from", "tp1pp1dp4ep4",
+                                     "--to", "tp1pp1dp3ep4", "--leave", "3"], USAGE,
+     "ep=4 does not divide dp=3"),
+    ("model-topk-above-experts", ["plan", "--model", "layers=2,hidden=64,heads=4,vocab=100,"
+                                  "seq=16,bias=0,experts=4,topk=5", "--from", "tp1pp1dp1",
+                                  "--to", "tp1pp1dp1"], USAGE, "topk must be between 1 and"),
+    ("model-moe-with-bias", ["plan", "--model", "layers=2,hidden=64,heads=4,vocab=100,"
+                             "seq=16,experts=4", "--from", "tp1pp1dp1", "--to", "tp1pp1dp1"],
+     USAGE, "must have bias=0"),
     ("bench-unknown-model", ["bench", "migrate", "--model", "gpt-nope"], USAGE, "unknown model"),
     ("demo-no-workers", [*DEMO[:-1], "0", "--schedule", ""], USAGE, "--workers"),
     ("demo-zero-steps", ["demo", "--no-monitor", "--steps", "0", "--schedule", ""], USAGE, "--steps"),

@@ -142,6 +142,59 @@ def test_commit_only_moves_forward_and_stops_after_end_run(make):
     assert b.committed_generation() == -1
 
 
+def _commands(client) -> int:
+    return int(client.redis.info("stats")["total_commands_processed"])
+
+
+def test_waiters_block_on_news_and_read_the_record_once(make, client):
+    """A waiting worker costs O(1) (the head, a blocked XREAD), wakes at the publish or
+    the commit, and reads the (O(N)) record once, not at every poll."""
+    a, b = make(), make()
+    a.register(heartbeat=False)
+    b.register(heartbeat=False)
+    assert b.head().generation == -1 and b.head().committed == -1
+    assert b.watch(-1, timeout=0.1).generation == -1  # nothing yet: back after the timeout
+    got: list = []
+    reads: list[int] = []
+    real_read = b.current_generation
+
+    def counted() -> GenerationRecord | None:
+        reads.append(1)
+        return real_read()
+
+    b.current_generation = counted  # type: ignore[method-assign]
+    waiter = threading.Thread(target=lambda: got.append(b.wait_generation(after=-1, timeout=20)))
+    waiter.start()
+    time.sleep(0.5)  # blocked: a handful of commands, no record read
+    before = _commands(client)
+    time.sleep(0.5)
+    assert _commands(client) - before <= 4 and not reads
+    t0 = time.monotonic()
+    assert a.publish_generation(gen_record(0))
+    waiter.join(timeout=10)
+    assert got and got[0].generation == 0 and len(reads) == 1
+    assert time.monotonic() - t0 < 1.0  # woken by the publish, not by a poll interval
+    assert client.redis.get(a.keys.gen_no) == b"0"
+    # a leaver's wait: woken by the commit
+    done: list = []
+    leaver = threading.Thread(target=lambda: done.append(b.watch(0, timeout=20, committed=-1)))
+    leaver.start()
+    time.sleep(0.3)
+    a.commit_generation(0)
+    leaver.join(timeout=10)
+    assert done and done[0].committed == 0 and done[0].generation == 0
+    # a record written behind the scripts' back (no gen_no: an older etcslurm) is read
+    client.redis.delete(a.keys.gen_no)
+    assert b.head().generation == 0
+    client.redis.set(a.keys.gen, client.redis.get(a.keys.gen).replace(
+        b'"generation":0', b'"generation":1'))
+    assert b.wait_generation(after=0, timeout=5).generation == 1
+    with pytest.raises(WaitTimeout, match=r"no generation after 1 published within 0\.3 s "
+                                          r"\(current: 1, committed: 0, leader: "):
+        b.wait_generation(after=1, timeout=0.3)
+    assert a.keys.gen_no not in a.run_keys() and a.keys.news in a.run_keys()
+
+
 def test_two_runs_do_not_see_each_other(make, client):
     a = make("runa-" + make().run_id)
     b = make("runb-" + a.run_id)

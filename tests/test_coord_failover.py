@@ -215,3 +215,60 @@ def test_hand_over_local_is_a_no_op_on_a_single_redis(tmp_path):
         with pytest.raises(Exception, match="single Redis server"):
             failover.hand_over(client)
         client.close()
+
+
+@pytest.mark.redis
+def test_hand_over_neither_fails_a_blocked_reader_nor_leaves_sentinels_behind(sites, run_id):
+    """A client blocked on the primary (an event reader in XREAD, as the monitor and the
+    Slurm tests are) rides through the hand-over: Redis answers a blocked client of a
+    primary that becomes a replica with an UNBLOCKED error, so the hand-over drops those
+    connections first (retried through Sentinel).  Every Sentinel names the new primary
+    at once, and a second hand-over moves it on again."""
+    client = connect(_url(sites), retry_deadline=20)
+    failover.settle(client, 3)
+    coord = Coordinator(client, run_id)
+    coord.emit("step", gen=0, step=0, loss=1.0)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    seen: list[int] = []
+
+    def reader() -> None:
+        last = "0"
+        while not stop.is_set():
+            try:
+                for ev in coord.read_events(last, block_ms=2000):
+                    last = ev["id"]
+                    seen.append(int(ev["data"]["step"]))
+            except BaseException as exc:  # recorded for the assertion
+                errors.append(exc)
+                return
+
+    th = threading.Thread(target=reader)
+    th.start()
+    try:
+        time.sleep(0.5)  # the reader is blocked in XREAD on the primary
+        first = failover.hand_over(client, only_if=sites[0].address)
+        coord.emit("step", gen=0, step=1, loss=1.0)
+        second = failover.hand_over(client)
+        coord.emit("step", gen=0, step=2, loss=1.0)
+        end = time.monotonic() + 20
+        while len(seen) < 3 and time.monotonic() < end and not errors:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        th.join(10)
+    assert first is not None and second is not None
+    print(f"\nhand-overs {first.old} -> {first.new} -> {second.new}: writes paused "
+          f"{first.paused_s:.3f} s, {second.paused_s:.3f} s")
+    assert errors == [], f"the blocked reader failed: {errors!r}"
+    assert seen == [0, 1, 2]
+    assert second.old == first.new and second.new != first.new
+    import redis
+
+    for site in sites:  # every Sentinel follows the second hand-over
+        s = redis.Redis(*site.sentinel.address, password=site.password)  # type: ignore[union-attr]
+        host, port = s.sentinel_get_master_addr_by_name("etcslurm")
+        host = host.decode() if isinstance(host, bytes) else host
+        assert (host, int(port)) == second.new, site.address
+        s.close()
+    client.close()

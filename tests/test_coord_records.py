@@ -4,6 +4,7 @@ docs listing exactly the fields the code has."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,12 @@ from etcslurm.coord.records import (
     Assignment,
     ChangeRequest,
     GenerationRecord,
+    _Record,
     event_data,
     field_summary,
+    pack_ids,
     parse_event,
+    unpack_ids,
 )
 from etcslurm.errors import CoordinatorError, RecordError
 from etcslurm.runtime.generation import merge_requests
@@ -66,10 +70,62 @@ def record() -> GenerationRecord:
 def test_generation_record_round_trips_through_json() -> None:
     rec = record()
     doc = json.loads(json.dumps(rec.to_json()))
-    assert doc["from"] == "tp1pp1dp2" and doc["to"] == "tp1pp1dp1" and doc["version"] == 1
+    assert doc["from"] == "tp1pp1dp2" and doc["to"] == "tp1pp1dp1" and doc["version"] == 2
     assert GenerationRecord.from_json(doc) == rec
     assert rec.rank_of("w1") == 0 and rec.rank_of("w2") is None
     assert rec.workers_by_rank() == ["w1"]
+    # version 1 (every row spelled out) is still read
+    full = {**_Record.to_json(rec), "version": 1}
+    assert full["assignment"][0] == {"rank": 0, "worker": "w1", "node": "n1", "tp": 0,
+                                     "pp": 0, "dp": 0}
+    assert GenerationRecord.from_json(full) == rec
+
+
+def _big(n: int) -> GenerationRecord:
+    """A resize of an n-worker DP world losing its last n/8 (what the benchmark does)."""
+    workers = [f"w{i + 1}" for i in range(n)]
+    k = n // 8
+    stay = workers[: n - k]
+    return GenerationRecord(
+        generation=5, kind="resize", step=9, from_layout=f"tp1pp1dp{n}",
+        to_layout=f"tp1pp1dp{n - k}", world=n - k,
+        assignment=tuple(Assignment(r, w, f"node{(int(w[1:]) - 1) // 8:04d}", 0, 0, r)
+                         for r, w in enumerate(stay)),
+        old_world=tuple(workers), union=tuple(workers), leaving=tuple(workers[n - k:]),
+        joining=(), dead=(), idle=(),
+        nodes={w: f"node{i // 8:04d}" for i, w in enumerate(workers)},
+        planner_ids={w: str(i) for i, w in enumerate(workers)}, scalars={"iteration": 9},
+        reason="leave")
+
+
+def test_the_stored_record_is_compact_and_lossless() -> None:
+    sizes = {}
+    for n in (64, 1024):
+        rec = _big(n)
+        doc = rec.to_json()
+        sizes[n] = len(json.dumps(doc))
+        assert GenerationRecord.from_json(json.loads(json.dumps(doc))) == rec
+        assert doc["assignment"] == [[1, n - n // 8]] and doc["old_world"] == [[1, n]]
+        assert "planner_ids" not in doc  # the rule: old rank, join:k
+    # workers registered in order: the record grows with the nodes, not with N x fields
+    assert sizes[1024] < 8 * 1024, sizes
+    # anything off the rule is written out, never guessed
+    rec = _big(64)
+    odd = replace(rec, planner_ids={**rec.planner_ids, "w3": "join:0"},
+                  assignment=(replace(rec.assignment[0], node="elsewhere"),
+                              *rec.assignment[1:]),
+                  union=("x-1", *rec.union[1:]), nodes={**rec.nodes, "x-1": "n9"})
+    doc = odd.to_json()
+    assert doc["planner_ids"]["w3"] == "join:0" and isinstance(doc["assignment"][0], dict)
+    assert GenerationRecord.from_json(json.loads(json.dumps(doc))) == odd
+    assert pack_ids(["w1", "w2", "w3", "w7", "x", "w8", "w9", "w01"]) == [
+        [1, 3], "w7", "x", [8, 9], "w01"]
+    assert unpack_ids([[2, 4], "a"], "x") == ["w2", "w3", "w4", "a"]
+    for bad in ([[3, 2]], [[1]], [[1, "2"]], [[0, 2]]):
+        with pytest.raises(RecordError, match=r"field 'idle'\[0\] must be a worker id or a range"):
+            GenerationRecord.from_json({**rec.to_json(), "idle": bad})
+    with pytest.raises(RecordError, match="field 'assignment' names 56 ranks, layout tp1pp1dp8 has 8"):
+        GenerationRecord.from_json({**rec.to_json(), "to": "tp1pp1dp8", "world": 8})
 
 
 @pytest.mark.parametrize(("change", "needle"), [
@@ -79,7 +135,8 @@ def test_generation_record_round_trips_through_json() -> None:
     ({"to": "tp2x"}, "field 'to': layout 'tp2x' is not of the form"),
     ({"assignment": [{"rank": 0, "worker": "w1"}]}, "missing field 'node'"),
     ({"leaving": "w2"}, "field 'leaving' must be a list of string"),
-    ({"version": 2}, "version 2 is not supported"),
+    ({"version": 7}, "version 7 is not supported"),
+    ({"nodes": {"n1": "w1"}}, "field 'nodes'['n1'] must be a list of worker ids"),
     ({"generation": True}, "field 'generation' must be integer, got True"),
 ])
 def test_malformed_generation_records_are_refused_naming_the_field(change: dict,

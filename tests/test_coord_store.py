@@ -81,8 +81,16 @@ def test_store_semantics_match_torch_hashstore(client, run_id):
         assert s.delete_key("a") and not s.delete_key("a")
     with pytest.raises(dist.DistStoreError, match=r"store keys \['zzz'\]"):
         ours.wait(["b", "zzz"], timedelta(seconds=0.2))
-    with pytest.raises(dist.DistStoreError):
+    with pytest.raises(dist.DistStoreError, match=r"waiting for store key 'never'"):
         ours.get("never")  # store timeout (1 s)
+    # a get waits for a key set later and fetches it in the same command that finds it
+    import threading
+
+    later = threading.Timer(0.2, lambda: ours.set("late", b"id"))
+    later.start()
+    assert ours.get("late") == b"id"
+    later.join()
+    ours.wait([])  # nothing to wait for
     # generations do not share keys
     other = RedisStore(client, run_id, 1)
     assert not other.check(["b"]) and other.num_keys() == 0

@@ -124,3 +124,63 @@ def test_parse_ranges():
     assert parse_ranges("4-6,9") == [4, 5, 6, 9]
     with pytest.raises(LayoutError):
         parse_ranges("7-4")
+
+
+# ----------------------------------------------------------------------- expert parallelism
+MOE = PRESETS["moe-tiny"]
+
+
+def test_expert_layouts_parse_print_and_follow_megatron_order():
+    cfg = ParallelConfig.parse("tp1pp1dp4ep2")
+    assert (cfg.ep, cfg.edp, str(cfg)) == (2, 2, "tp1pp1dp4ep2")
+    assert str(ParallelConfig.parse("tp2pp2dp4ep1")) == "tp2pp2dp4"  # ep 1: the dense form
+    # megatron's expert rank generator: consecutive DP ranks hold different experts
+    assert [tuple(cfg.expert_coord(r)) for r in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    big = ParallelConfig.parse("tp2pp4dp64ep8")
+    r = big.rank_of(1, 3, 13)
+    assert big.expert_coord(r) == (13 % 8, 13 // 8)
+
+
+def test_expert_layout_validation_names_the_problem():
+    with pytest.raises(LayoutError, match=r"ep=2 does not divide dp=3.*valid for 3"):
+        ParallelConfig.parse("tp1pp1dp3ep2").validate(MOE)
+    with pytest.raises(LayoutError, match="experts=4 is not divisible by ep=3"):
+        ParallelConfig.parse("tp1pp1dp3ep3").validate(MOE)
+    with pytest.raises(LayoutError, match="needs a mixture-of-experts model"):
+        ParallelConfig.parse("tp1pp1dp4ep2").validate(PRESETS["gpt-tiny"])
+    with pytest.raises(LayoutError, match="tp<N>pp<N>dp<N>"):
+        ParallelConfig.parse("tp1pp1dp4ep")
+    with pytest.raises(UsageError, match="topk must be between 1 and experts=4"):
+        GPTSpec.parse("layers=2,hidden=64,heads=4,vocab=100,seq=16,bias=0,experts=4,topk=5")
+    with pytest.raises(UsageError, match="must have bias=0"):
+        GPTSpec.parse("layers=2,hidden=64,heads=4,vocab=100,seq=16,experts=4")
+
+
+def test_policy_picks_and_keeps_expert_parallelism():
+    eps = {c.ep for c in valid_configs(4, MOE) if (c.tp, c.pp) == (1, 1)}
+    assert eps == {1, 2, 4}
+    assert all(c.ep == 1 for c in valid_configs(4, PRESETS["gpt-tiny"]))
+    assert choose_config(4, MOE, global_batch=12).config == ParallelConfig(1, 1, 4, 4)
+    kept = choose_config(4, MOE, global_batch=12, previous=ParallelConfig(1, 1, 2, 2))
+    assert kept.config == ParallelConfig(1, 1, 4, 2)
+    # 3 devices: no EP > 1 divides dp 3 → the experts gather on every rank
+    assert choose_config(3, MOE, global_batch=12,
+                         previous=ParallelConfig(1, 1, 4, 4)).config == ParallelConfig(1, 1, 3)
+
+
+def test_expert_shards_tile_the_experts_once_per_expert_replica():
+    cfg = ParallelConfig.parse("tp2pp1dp4ep2")
+    spec = GPTSpec.parse("layers=2,hidden=32,heads=4,ffn=64,vocab=200,seq=16,bias=0,"
+                         "swiglu=1,experts=4,expert_ffn=32")
+    for opt in ("adam", "distributed"):
+        st = expand(spec, cfg, opt)
+        for edp in range(cfg.edp):
+            ranks = [r for r in range(cfg.world_size) if cfg.expert_coord(r).edp == edp]
+            fc1 = [p for r in ranks for p in st.pieces(r)
+                   if p.key == "decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+            assert sum(p.numel for p in fc1) == 2 * 4 * (2 * 32) * 32  # layers·E·2f·h
+            assert len(set(fc1)) == len(fc1)  # no expert slice twice in one replica
+        if opt == "distributed":  # ZeRO-1 shards over expert DP tile each expert buffer
+            n = sum(p.numel for r in range(cfg.world_size) for p in st.pieces(r)
+                    if p.key.startswith("optimizer.state.exp_avg.decoder.layers.mlp.experts"))
+            assert n == 2 * 4 * (2 * 32 * 32 + 32 * 32)

@@ -23,12 +23,21 @@ pytest.importorskip("megatron.core")
 
 SPEC = GPTSpec(layers=4, hidden=64, heads=4, ffn=128, vocab=1000, seq=16, tied_embeddings=True)
 UNTIED = GPTSpec(layers=2, hidden=40, heads=2, ffn=72, vocab=300, seq=8, tied_embeddings=False)
+MOE = GPTSpec.parse("moe-tiny")
+MOE_BF16 = GPTSpec(**{**MOE.to_json(), "name": "", "dtype": "bfloat16"})
+MOE_GELU = GPTSpec(layers=2, hidden=64, heads=4, ffn=96, vocab=1000, seq=16, experts=4, topk=2,
+                   bias=False, expert_ffn=48)
 CASES = [
     (SPEC, "tp2pp2dp1", "adam"),
     (SPEC, "tp2pp2dp1", "distributed"),
     (SPEC, "tp1pp2dp2", "distributed"),
     (UNTIED, "tp1pp1dp4", "distributed"),  # odd sizes: 64-element param padding, lcm(4,128)
     (UNTIED, "tp2pp1dp2", "adam"),
+    # mixture of experts: experts split over EP, replicated and ZeRO-sharded over expert DP
+    (MOE, "tp1pp1dp4ep2", "adam"),
+    (MOE, "tp1pp1dp4ep4", "distributed"),
+    (MOE_BF16, "tp1pp2dp2ep2", "distributed"),
+    (MOE_GELU, "tp2pp1dp2ep2", "distributed"),  # ungated experts, expert_ffn != ffn
 ]
 VOCAB_TP = 8  # the adapter pads the vocabulary for TP 8 in every layout
 

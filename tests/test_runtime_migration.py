@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from types import SimpleNamespace
+
+import pytest
 
 from etcslurm.core.planner import MigrationPlan
 from etcslurm.core.state import Piece
@@ -27,3 +32,90 @@ def test_vocab_rows_no_old_rank_held_are_filled_and_the_rest_is_lost() -> None:
     # rows 1000-1023 were held by an old rank: if no survivor has them now they are lost
     assert plan.missing == {"0": [Piece(EMB, ((1000, 1024), (0, 8)), "float32")],
                             "1": [lost_piece]}
+
+
+# ---------------------------------------------------------------------- a kept model
+def test_a_kept_piece_is_one_the_new_model_views_through_the_same_memory() -> None:
+    """Local copies of a kept model onto itself are dropped; anything else is kept."""
+    import torch
+
+    from etcslurm.runtime.migration import _kept_pieces, _within
+
+    base = torch.arange(16.0)
+    a, b = Piece("a", ((0, 8),), "float32"), Piece("b", ((0, 8),), "float32")
+    held = [(a, base[:8]), (b, base[8:])]
+    needed = [(a, base[:8]), (b, base[8:].clone())]  # b is new memory: still copied
+    kept = _kept_pieces(held, needed)
+    assert kept == [a]
+    assert _within(Piece("a", ((2, 4),), "float32"), kept)
+    assert not _within(Piece("b", ((2, 4),), "float32"), kept)
+
+
+def test_only_a_dp_only_change_that_keeps_the_coordinate_keeps_the_model() -> None:
+    from etcslurm.core.layout import ParallelConfig as P
+    from etcslurm.megatron.regroup import can_keep
+
+    assert can_keep((P(1, 1, 4), 3), (P(1, 1, 3), 0), "adam")
+    assert can_keep((P(2, 2, 2), 5), (P(2, 2, 1), 3), "adam")  # tp 1, pp 1 both times
+    assert not can_keep((P(2, 2, 2), 5), (P(2, 2, 1), 2), "adam")  # another pp stage
+    assert not can_keep((P(1, 1, 4), 0), (P(1, 1, 2), 0), "distributed")  # shards move
+    assert not can_keep((P(1, 1, 4), 0), (P(2, 1, 2), 0), "adam")  # TP changes
+
+
+KEPT_SCRIPT = r"""
+import sys, json, torch
+from etcslurm.megatron.cpu_shim import install_if_needed
+install_if_needed()
+import torch.distributed as dist
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.models import PRESETS
+from etcslurm.groups import lifecycle as groups
+from etcslurm.megatron import parallel, regroup
+from etcslurm.megatron.adapter import finish_restore
+from etcslurm.megatron.model import TrainHyper, build_gpt
+from etcslurm.megatron.scalars import extract_scalars
+from etcslurm.megatron.train import train_step
+
+dtype, store = sys.argv[1], dist.HashStore()
+spec, cfg, hyper = PRESETS["gpt-tiny"], ParallelConfig.parse("tp1pp1dp1"), TrainHyper(global_batch=4)
+
+def fresh(gen):
+    parallel.init_parallel(cfg, 0, 1, store, gen, timeout_s=60)
+    return build_gpt(spec, cfg, dtype=dtype, hyper=hyper)
+
+def state(tr):
+    params = [p.detach().clone() for p in tr.modules()[0].parameters()]
+    grads = [p.main_grad.clone() for p in tr.modules()[0].parameters()]
+    return params, grads
+
+tr = fresh("ref")
+ref = [train_step(tr) for _ in range(3)]
+ref_state = state(tr)
+groups.teardown()
+tr = fresh("old")
+got = [train_step(tr)]
+scalars, before = extract_scalars(tr), regroup.snapshot()
+groups.teardown()  # only communicators go: the model's tensors stay valid
+parallel.init_parallel(cfg, 0, 1, store, "new", timeout_s=60)
+kept = regroup.rewrap(tr, before, cfg)
+finish_restore(kept, scalars)
+same_module = kept.modules()[0] is tr.modules()[0]
+got += [train_step(kept) for _ in range(2)]
+got_state = state(kept)
+print(json.dumps(dict(
+    losses=ref == got, same_module=same_module,
+    params=all(torch.equal(a, b) for a, b in zip(ref_state[0], got_state[0])),
+    grads=all(torch.equal(a, b) for a, b in zip(ref_state[1], got_state[1])))))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_kept_model_trains_on_bit_for_bit_like_one_never_regrouped(dtype: str) -> None:
+    """A model re-wrapped for a new world (new groups, DDP, optimizer; same module and
+    Adam state) trains on exactly as if nothing happened: losses, params and gradients
+    equal bit for bit (gradients would be doubled if the old DDP's hooks survived)."""
+    out = subprocess.run([sys.executable, "-c", KEPT_SCRIPT, dtype], capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == dict(
+        losses=True, same_module=True, params=True, grads=True)

@@ -16,8 +16,10 @@ shared cores: a 2-layer GPT, few steps, global batch 12.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -341,3 +343,214 @@ def test_whole_run_preempted_checkpoints_requeues_and_resumes(
     check_data_once(run_dir)
     assert sh("scontrol", "show", "job", res.job_id).count("Restarts=1") == 1
     run.close()
+
+
+# ------------------------------------------- replicated coordinator: its primary's job goes
+class Availability:
+    """Writes through the run's Sentinel URL, one every ``every`` s, from a thread (the
+    etcslurm client: it waits and retries while no primary answers), and notes, from a
+    second thread, which address the Sentinels name as the primary.  The longest write
+    is how long the run had no primary that accepted a write."""
+
+    def __init__(self, url: str, run_id: str, every: float = 0.05) -> None:
+        import threading
+
+        self.client = connect(url, retry_deadline=60)
+        self.key = f"etcslurm-test:availability:{run_id}"
+        self.every = every
+        self.writes: list[tuple[float, float]] = []  # (started, took) in time.time()
+        self.errors: list[str] = []
+        self.primaries: list[tuple[float, list[Any]]] = []  # (when, primary) on each change
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._write, daemon=True),
+                        threading.Thread(target=self._watch, daemon=True)]
+        for t in self.threads:
+            t.start()
+
+    def _write(self) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            t0 = time.time()
+            try:
+                self.client.call("availability probe",
+                                 lambda r, n=n: r.set(self.key, n, ex=300))
+            except Exception as exc:  # reported by the test
+                self.errors.append(f"{time.time() - t0:.2f} s: {exc}")
+            self.writes.append((t0, time.time() - t0))
+            time.sleep(self.every)
+
+    def _watch(self) -> None:
+        from etcslurm.coord import failover
+
+        while not self.stop.is_set():
+            try:
+                primary = failover.topology(self.client)["primary"]
+                if not self.primaries or self.primaries[-1][1] != primary:
+                    self.primaries.append((time.time(), primary))
+            except Exception:  # a Sentinel being re-pointed: ask again
+                pass
+            time.sleep(0.2)
+
+    def longest(self, since: float, until: float) -> float:
+        return max((took for t0, took in self.writes if since <= t0 <= until), default=0.0)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+        self.client.close()
+
+
+def _site_processes(coord_dir: Path) -> list[int]:
+    """PIDs (redis-server and Sentinel) the run's coordinator sites recorded."""
+    pids = []
+    for f in coord_dir.glob("site-*.json"):
+        with_state = json.loads(f.read_text())
+        pids += [int(with_state[k]) for k in ("pid", "sentinel_pid") if with_state.get(k)]
+    return pids
+
+
+def test_preempting_the_job_of_the_coordinators_primary_hands_it_over(
+        jobs: list[str], tmp_path: Path, redis_url: str, run_id: str,
+        reference: dict[int, float]) -> None:
+    """elastic.sbatch as 4 one-node array jobs that start their own replicated coordinator
+    (3 sites: tasks 0-2, a Redis + a Sentinel each; task 0 the primary).  A high job
+    preempts task 0: its worker's signal trap hands the primary to a replica, the worker
+    hands its state over by P2P and leaves (4 -> 3), its job ends COMPLETED and takes its
+    site with it.  Later task 3 is preempted (3 -> 2).  Losses equal the reference; no
+    write through the Sentinels failed, and the longest one measures the time the run had
+    no primary (the hand-over's pause, not Sentinel's ``down-after``)."""
+    from etcslurm.coord import failover
+
+    run_dir = tmp_path / "run"
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(run_settings(4).to_json()))
+    down_after_ms = 5000  # the template default: a hard failover would stall writes >= 5 s
+    cmd = f"{sys.executable} -m {WORKER_MODULE} --min-step-seconds 2 " + " ".join(WORKER_ARGS[2:])
+    res = submit(cmd, run_id=run_id, nodes=4, split=True, partition=PARTITION,
+                 time_limit="20", folder=tmp_path,
+                 fields={"exclusive": 1, "run_dir": str(run_dir), "coordinator_sites": 3,
+                         "coordinator_down_after_ms": down_after_ms,
+                         "setup_cmd": f"{sys.executable} -m etcslurm.testing.probe "
+                                      f"--store-spec {spec}",
+                         "output": str(tmp_path / "primary-%A_%a.out")})
+    jobs.append(res.job_id)
+    t_submit = time.time()
+    url_file = run_dir / f"coordinator-{res.job_id}.url"
+    coord_dir = run_dir / f"coordinator-{res.job_id}"
+    url = wait_for(lambda: url_file.exists() and url_file.read_text().strip(), 180,
+                   f"the run's coordinator URL in {url_file} (array task 0 starts 3 sites)")
+    assert url.startswith("redis+sentinel://")
+    sites = {int(f.stem.split("-")[1]): json.loads(f.read_text())
+             for f in coord_dir.glob("site-*.json")}
+    assert sorted(sites) == [0, 1, 2], sites
+    primary0 = list(sites[0]["address"])
+    assert oct(os.stat(url_file).st_mode & 0o777) == "0o600"
+    run = Run(url, run_id, 4, run_dir)
+    avail = Availability(url, run_id)
+    passed = False
+    try:
+        assert failover.topology(run.coord.client)["primary"] == primary0
+        run.wait(lambda: run.step() >= 2, RUN_TIMEOUT / 2, "4 workers training")
+        started_s = time.time() - t_submit
+        gen0 = run.world()
+        assert gen0["kind"] == "start" and gen0["world"] == 4
+        members = run.coord.members()
+        # the worker on array task 0's node: the node of site 0 (the primary)
+        task_of = {w: _array_task(str(i["slurm_job"]), res.job_id) for w, i in members.items()}
+        victim = next(w for w, t in task_of.items() if t == 0)
+        t_preempt = time.time()
+        jobs.append(preempt_node(members[victim]["node"], tmp_path))
+        signal = run.wait(lambda: next((e for e in run.of("worker.signal")
+                                        if e["worker"] == victim), None),
+                          SLURM_TIMER + 120, "task 0's worker to get its leave signal")["data"]
+        shrink = run.wait(lambda: next((g for g in run.generations()
+                                        if victim in g.get("leaving", [])), None),
+                          300, "the generation without task 0's worker")
+        assert shrink["kind"] == "resize" and shrink["world"] == 3
+        gone = run.wait(lambda: run.gone_at(victim), 120, "task 0's worker to leave")
+        assert gone - signal["received_at"] <= GRACE
+        job0 = members[victim]["slurm_job"]
+        wait_for(lambda: job_state(job0) == "COMPLETED", 90, f"task 0's job {job0} to end")
+        t_job0_end = time.time()
+        moved = [(t, p) for t, p in avail.primaries if p != primary0]
+        assert moved, f"the primary never left site 0 {primary0}: {avail.primaries}"
+        assert list(moved[0][1]) in [list(sites[k]["address"]) for k in (1, 2)]
+        # handed over on the signal, not by Sentinel after site 0 went (down-after 5 s)
+        assert moved[0][0] <= gone + 1.0, (moved, signal, gone)
+        # the site of task 0 stopped with its job; the coordinator still decides the run
+        wait_for(lambda: all(not _alive(p) for p in
+                             (int(sites[0][k]) for k in ("pid", "sentinel_pid"))),
+                 60, "task 0's Redis and Sentinel to stop with its job")
+
+        # a later preemption, handled as usual by the run on the new primary
+        run.wait(lambda: run.step() >= shrink["step"] + 2, RUN_TIMEOUT / 2,
+                 "2 steps on 3 workers")
+        second = next(w for w, t in task_of.items() if t == 3)
+        jobs.append(preempt_node(members[second]["node"], tmp_path))
+        shrink2 = run.wait(lambda: next((g for g in run.generations()
+                                         if second in g.get("leaving", [])), None),
+                           SLURM_TIMER + 300, "the generation without task 3's worker")
+        assert shrink2["kind"] == "resize" and shrink2["world"] == 2
+        run.wait(run.finished, RUN_TIMEOUT, "the run to finish")
+        passed = True
+    finally:
+        avail.close()
+        if not passed:  # the sites are the run's own: none may outlive a failed test
+            _stop_sites(coord_dir, jobs)
+    took = time.time() - t_submit
+    diff = check_losses(run, reference)
+    dp = check_data_once(run_dir)
+    assert {dp[s] for s in range(STEPS)} == {4, 3, 2}, f"DP degrees per step: {dp}"
+    assert len(run.of("migration.done")) == 2
+    assert [g["kind"] for g in run.generations()][:3] == ["start", "resize", "resize"]
+    assert avail.errors == [], f"writes failed through the Sentinels: {avail.errors}"
+    window = avail.longest(t_preempt, t_job0_end)
+    before = sorted(x for t0, x in avail.writes if t0 < t_preempt)
+    typical = before[len(before) // 2] if before else 0.0
+    print(f"\nrun took {took:.0f} s (4 workers training after {started_s:.0f} s); primary "
+          f"{primary0} -> {moved[0][1]} {moved[0][0] - signal['received_at']:.2f} s after "
+          f"the signal; longest write while task 0 left {window:.3f} s (median before "
+          f"{typical:.3f} s, {len(avail.writes)} writes, 0 failed); max |loss - reference| "
+          f"= {diff:.3g}")
+    assert window < down_after_ms / 1000, (
+        f"writes stalled {window:.2f} s: as long as a hard failover, not a hand-over")
+    wait_for(lambda: all(job_state(j) in ("COMPLETED", "CANCELLED", "FAILED")
+                         for j in (f"{res.job_id}_{k}" for k in range(4))),
+             120, "the array jobs to end")
+    left = [p for p in _site_processes(coord_dir) if _alive(p)]
+    assert left == [], f"coordinator processes outlived their jobs: {left}"
+    run.close()
+
+
+def _stop_sites(coord_dir: Path, job_ids: list[str]) -> None:
+    """Cancel the jobs, wait (bounded) for them to end, then stop by PID any coordinator
+    process the template's watchdog has not stopped."""
+    import signal as _signal
+
+    subprocess.run(["scancel", *job_ids], capture_output=True, timeout=30, check=False)
+    end = time.monotonic() + 60
+    while time.monotonic() < end and sh("squeue", "-h", "-j", ",".join(job_ids), "-o", "%i"):
+        time.sleep(1)
+    time.sleep(2)  # the watchdog polls once a second
+    for pid in _site_processes(coord_dir):
+        if _alive(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, _signal.SIGKILL)
+
+
+def _array_task(slurm_job: str, array_id: str) -> int | None:
+    """The array task index of a worker's job (``ARRAY_TASK`` or the task's own job id)."""
+    if "_" in slurm_job:
+        return int(slurm_job.rsplit("_", 1)[1])
+    out = sh("squeue", "-h", "-j", slurm_job, "-o", "%F %K").split()
+    return int(out[1]) if len(out) == 2 and out[0] == array_id and out[1].isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False

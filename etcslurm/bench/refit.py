@@ -32,6 +32,10 @@ Known refit limitation checked up front (else its planner raises on global rank 
 the other ranks wait in a broadcast until the timeout): with tied embeddings a PP 1 source
 has no ``output_layer.weight`` but a PP > 1 target's last stage needs one.
 
+Mixture of experts: refit maps experts across EP sizes by its Transformer Engine names;
+:func:`name_experts_as_grouped` presents the local spec's experts under them (checked:
+EP 4 → 2, EP 2 → 1 and EP 1 → 4 give the P2P model's expert weights bit for bit).
+
 CPU: no patch to ``cpu_shim`` is needed; the copy service's CUDA stream calls go to the
 shim's null streams.
 """
@@ -39,10 +43,11 @@ shim's null streams.
 from __future__ import annotations
 
 import hashlib
+import re
 import statistics
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -106,19 +111,23 @@ def _pg_collection(layout: ParallelConfig) -> Any:
         def _gen_rank_enum(self, dims: list[str]) -> list[list[int]]:
             return rank_enum(self.shape, self.dim_names, dims, self.rank_offset)
 
-    grid = Grid([layout.tp, 1, 1, layout.dp, layout.pp], ["tp", "cp", "ep", "dp", "pp"])
+    # expert parallelism splits the data-parallel ranks: the grid's "dp" is the expert
+    # data-parallel size (dp / ep) and the dense DP group is ep x dp, which is megatron's
+    # own order (rank = tp + TP * (ep + EP * (edp + EDP * pp))); with ep 1 both are DP
+    grid = Grid([layout.tp, 1, layout.ep, layout.edp, layout.pp], ["tp", "cp", "ep", "dp", "pp"])
     pgs: dict[str, Any] = {
         "tp": grid.create_pg("tp"),
         "cp": grid.create_pg("cp"),
         "ep": grid.create_pg("ep"),
-        "dp": grid.create_pg("dp"),
+        "dp": grid.create_pg(["ep", "dp"]),
         "pp": grid.create_pg("pp"),
         "tp_cp": grid.create_pg(["tp", "cp"]),
         "mp": grid.create_pg(["tp", "cp", "ep", "pp"]),
         "tp_ep": grid.create_pg(["tp", "ep"]),
         "tp_ep_pp": grid.create_pg(["tp", "ep", "pp"]),
-        "dp_cp": grid.create_pg(["cp", "dp"]),
-        "tp_dp_cp": grid.create_pg(["tp", "cp", "dp"]),
+        "dp_cp": grid.create_pg(["cp", "ep", "dp"]),
+        "tp_dp_cp": grid.create_pg(["tp", "cp", "ep", "dp"]),
+        "expt_dp": grid.create_pg("dp"),
     }
     # embedding groups: one per PP group, every rank creating all of them in the same
     # order as torch requires (megatron's test calls dist.new_group with its own PP
@@ -128,7 +137,7 @@ def _pg_collection(layout: ParallelConfig) -> Any:
         [mpu.default_embedding_ranks(r) for r in pp_enum])
     pgs["pos_embd"], _ = dist.new_subgroups_by_enumeration(
         [mpu.default_position_embedding_ranks(r) for r in pp_enum])
-    return ProcessGroupCollection(expt_tp=pgs["tp"], expt_dp=pgs["dp"], **pgs)
+    return ProcessGroupCollection(expt_tp=pgs["tp"], **pgs)
 
 
 def _build_module(spec: GPTSpec, layout: ParallelConfig, dtype: torch.dtype,
@@ -137,12 +146,11 @@ def _build_module(spec: GPTSpec, layout: ParallelConfig, dtype: torch.dtype,
     ``etcslurm.megatron.model.build_gpt`` builds its model.  ``pg_collection`` None:
     megatron's global ``parallel_state`` (which must be ``layout``'s)."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.utils import get_pg_rank
 
     from etcslurm.megatron import cpu_shim
-    from etcslurm.megatron.model import padded_vocab, transformer_config
+    from etcslurm.megatron.model import layer_spec, padded_vocab, transformer_config
 
     if pg_collection is None:
         first = parallel_state.is_pipeline_first_stage()
@@ -153,7 +161,7 @@ def _build_module(spec: GPTSpec, layout: ParallelConfig, dtype: torch.dtype,
     kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
     gpt = GPTModel(
         config=transformer_config(spec, layout, dtype),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.norm),
+        transformer_layer_spec=layer_spec(spec),
         vocab_size=padded_vocab(spec, layout.tp),
         max_sequence_length=spec.seq,
         pre_process=first,
@@ -166,6 +174,31 @@ def _build_module(spec: GPTSpec, layout: ParallelConfig, dtype: torch.dtype,
     if dtype != torch.float32:
         gpt = gpt.to(dtype)
     return gpt.to(cpu_shim.device())
+
+
+#: a ``SequentialMLP`` expert weight's name, ``...experts.local_experts.<K>.linear_fc1.weight``
+_LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+def name_experts_as_grouped(module: torch.nn.Module) -> None:
+    """Let refit match a MoE model's experts across EP sizes.
+
+    Why: refit (megatron-core 0.16.1, ``resharding.utils.assign_ep_resolved_name_inplace``)
+    turns a rank's LOCAL expert index into the GLOBAL one only for Transformer Engine's
+    ``TEGroupedMLP`` names (``...experts.linear_fc1.weight<K>``); the local spec's
+    ``SequentialMLP`` (the MoE path without Transformer Engine, so the one on CPU) names
+    the same tensors ``...experts.local_experts.<K>.linear_fc1.weight``, which refit then
+    matches by local index -- wrong as soon as EP changes.  This presents them under the
+    grouped names (``named_parameters`` of this instance only), so refit's own EP mapping
+    applies; the tensors, their TP attributes and the module tree are untouched.
+    """
+    original = module.named_parameters
+
+    def named_parameters(*args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        for name, param in original(*args, **kwargs):
+            yield _LOCAL_EXPERT.sub(r"\2.weight\1", name), param
+
+    module.named_parameters = named_parameters  # type: ignore[method-assign]
 
 
 def _weight_views(module: torch.nn.Module) -> list[tuple[Piece, torch.Tensor]]:
@@ -222,6 +255,9 @@ def run_refit(spec: GPTSpec, old: ParallelConfig, new: ParallelConfig, dump_dir:
     with torch.random.fork_rng(devices=[]):
         src = _build_module(spec, old, dtype, _pg_collection(old))
         dst = _build_module(spec, new, dtype)
+    if spec.moe:
+        name_experts_as_grouped(src)
+        name_experts_as_grouped(dst)
     reference = GlobalState(dump_dir)
     with torch.no_grad():
         for piece, view in _weight_views(src):

@@ -99,12 +99,13 @@ def _print_human(result, spec, old, new, args) -> None:
     console.print(t)
     a = Table(title="assignment (new rank → device)")
     a.add_column("new rank", justify="right")
-    a.add_column("tp,pp,dp")
+    a.add_column("tp,pp,dp" + (",ep" if new.ep > 1 else ""))
     a.add_column("device")
     shown = result.assignment if len(result.assignment) <= 64 else result.assignment[:64]
     for r, d in enumerate(shown):
         c = new.coord(r)
-        a.add_row(str(r), f"{c.tp},{c.pp},{c.dp}", d)
+        ep = f",{new.expert_coord(r).ep}" if new.ep > 1 else ""
+        a.add_row(str(r), f"{c.tp},{c.pp},{c.dp}{ep}", d)
     console.print(a)
     if len(result.assignment) > 64:
         console.print(f"... {len(result.assignment) - 64} more ranks (use --json for all)")

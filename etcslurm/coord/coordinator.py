@@ -40,7 +40,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from etcslurm.coord import schema, scripts
@@ -69,6 +69,25 @@ _ALLOWED = {
 
 class SpecMismatch(CoordinatorError):
     """A worker's run spec (model, seed, global batch, ...) differs from the run's."""
+
+
+#: notices kept on the ``news`` stream (waiters only need the newest)
+NEWS_CAP = 100
+#: longest single XREAD BLOCK of a wait: a wait re-reads the head this often, so a record
+#: written behind the scripts' back (a hand-edited key) is still seen within this time
+NEWS_BLOCK_S = 2.0
+
+
+@dataclass(frozen=True)
+class GenerationHead:
+    """What a waiting worker needs, read in one O(1) call (:meth:`Coordinator.head`):
+    the current generation's number (``-1``: none), the last committed one (``-1``:
+    none) and ``cursor``, the id of the newest notice on the ``news`` stream (block after
+    it to hear of the next publish or commit)."""
+
+    generation: int
+    committed: int
+    cursor: str
 
 
 def _seq(worker_id: str) -> int:
@@ -143,10 +162,11 @@ class Coordinator:
         self._get = r.register_script(scripts.GET_BOUNDED)
         self._hgetall = r.register_script(scripts.HGETALL_BOUNDED)
         self._gen_cas = r.register_script(scripts.GEN_CAS)
+        self._gen_head = r.register_script(scripts.GEN_HEAD)
+        self._commit = r.register_script(scripts.COMMIT)
         self._beat = r.register_script(scripts.HEARTBEAT)
         self._hset_live = r.register_script(scripts.HSET_UNLESS_ENDED)
         self._xadd_live = r.register_script(scripts.XADD_UNLESS_ENDED)
-        self._max_set = r.register_script(scripts.MAX_SET_UNLESS_ENDED)
 
     # ------------------------------------------------------------------ JSON I/O
     def _read(self, key: str, deadline: float | None = None) -> dict | None:
@@ -444,8 +464,11 @@ class Coordinator:
                       published_at=time.time()).to_json()
         raw = dumps(doc, self.keys.gen, self.max_value_bytes)
 
+        k = self.keys
+
         def _cas(r: Any) -> tuple[int, int]:
-            won, prev = self._gen_cas(keys=[self.keys.gen], args=[n - 1, raw])
+            won, prev = self._gen_cas(keys=[k.gen, k.gen_no, k.news],
+                                      args=[n - 1, raw, n, NEWS_CAP])
             if not int(won) and int(prev) == n and r.get(self.keys.gen) == raw:
                 return 1, n - 1  # our own write, done before a failover, survived
             return int(won), int(prev)
@@ -458,9 +481,11 @@ class Coordinator:
     def commit_generation(self, generation: int) -> None:
         """Record that every member of ``generation`` has entered it (its state is complete
         everywhere): workers that left the world may go.  One small key, so waiting
-        workers poll it cheaply; it only moves forward."""
-        self.client.decided("commit generation", lambda r: self._max_set(
-            keys=[self.keys.committed, self.keys.ended], args=[int(generation)]),
+        workers read it cheaply; it only moves forward, and a move wakes the workers
+        blocked in :meth:`watch` (a ``committed`` notice on the ``news`` stream)."""
+        k = self.keys
+        self.client.decided("commit generation", lambda r: self._commit(
+            keys=[k.committed, k.ended, k.news], args=[int(generation), NEWS_CAP]),
             self._ack_key)
 
     def committed_generation(self) -> int:
@@ -473,38 +498,108 @@ class Coordinator:
 
         A record this version cannot read raises :class:`RecordError` naming the field.
         """
-        doc = self._read(self.keys.gen)
-        if doc is None:
-            return None
-        try:
-            return GenerationRecord.from_json(doc)
-        except RecordError as exc:
-            raise RecordError(f"coordinator entry {self.keys.gen}: {exc}") from None
+        key = self.keys.gen
+        raw = self.client.call(
+            f"read {key}", lambda r: self._get(keys=[key], args=[self.max_value_bytes]))
+        return _parse_record(raw, key, self.max_value_bytes)
+
+    def head(self) -> GenerationHead:
+        """The current and committed generation numbers and the news cursor: one O(1)
+        call, whatever the size of the run or of its record."""
+        k = self.keys
+        gen, committed, cursor = self.client.call(
+            "read generation head",
+            lambda r: self._gen_head(keys=[k.gen, k.gen_no, k.committed, k.news]))
+        return GenerationHead(int(gen), int(committed), schema.text(cursor))
+
+    def watch(self, generation: int, timeout: float,
+              committed: int | None = None) -> GenerationHead:
+        """Block until a generation numbered above ``generation`` is published (or, with
+        ``committed``, one above it is committed), at most ``timeout`` seconds; return
+        the head then (the caller sees which, or that neither happened: no exception).
+
+        Why a stream and not a poll of the record: a waiter costs Redis O(1) per
+        ``NEWS_BLOCK_S`` instead of reading (and parsing) the whole O(N) record every
+        0.1 s, and wakes as soon as the publish or the commit happens, not at its next
+        poll.  The record itself is read once, by :meth:`wait_generation`.
+        """
+        end = time.monotonic() + timeout
+        head = self.head()
+        sock = self.client.redis.connection_pool.connection_kwargs.get("socket_timeout") or 5
+        cap = max(0.001, min(NEWS_BLOCK_S, float(sock) - 0.5))
+        while not (head.generation > generation
+                   or (committed is not None and head.committed > committed)):
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            block_ms = max(1, int(min(left, cap) * 1000))
+            cursor = head.cursor
+            resp = self.client.call(
+                "wait for generation news",
+                lambda r, c=cursor, b=block_ms: r.xread({self.keys.news: c}, count=NEWS_CAP,
+                                                       block=b))
+            head = self._advance(head, resp) if resp else self.head()
+        return head
+
+    @staticmethod
+    def _advance(head: GenerationHead, resp: Any) -> GenerationHead:
+        """``head`` moved past the notices of an XREAD answer (no further round trip)."""
+        gen, committed, cursor = head.generation, head.committed, head.cursor
+        for _stream, entries in resp:
+            for eid, fields in entries:
+                cursor = schema.text(eid)
+                for name, value in fields.items():
+                    try:
+                        number = int(schema.text(value))
+                    except ValueError:
+                        continue  # not ours to judge: the head re-read will say
+                    if schema.text(name) == "gen":
+                        gen = max(gen, number)
+                    elif schema.text(name) == "committed":
+                        committed = max(committed, number)
+        return GenerationHead(gen, committed, cursor)
 
     def wait_generation(self, after: int, timeout: float) -> GenerationRecord:
         """Wait until a generation numbered above ``after`` is published; return it.
 
-        With a replicated coordinator the record is returned only once a replica has
-        it (read again behind a ``WAIT``), so no worker acts on a record a failover
-        could still forget.
+        The wait blocks on the ``news`` stream (:meth:`watch`, O(1) per waiter); the
+        record is read once, when its number says it is there.  With a replicated
+        coordinator the record is returned only once a replica has it (read again
+        behind a ``WAIT``), so no worker acts on a record a failover could still forget.
         """
         end = time.monotonic() + timeout
-        delay = 0.005
         while True:
-            rec = self.current_generation()
-            if rec is not None and rec.generation > after and self.client.acks > 0:
-                rec = self._confirmed_generation()
-            if rec is not None and rec.generation > after:
-                return rec
+            head = self.watch(after, max(0.0, end - time.monotonic()))
+            if head.generation > after:
+                rec = (self._confirmed_generation() if self.client.acks > 0
+                       else self.current_generation())
+                if rec is not None and rec.generation > after:
+                    return rec
+                # the number ran ahead of the record (a key deleted by hand): look again
             left = end - time.monotonic()
             if left <= 0:
-                cur = None if rec is None else rec.generation
                 raise WaitTimeout(
                     f"run {self.run_id}: no generation after {after} published within "
-                    f"{timeout:g} s (current: {cur}, leader: {self.leader()})"
+                    f"{timeout:g} s (current: {head.generation if head.generation >= 0 else None}, "
+                    f"committed: {head.committed}, leader: {self.leader()})"
                 )
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, 0.1)
+            time.sleep(min(0.05, left))
+
+    def alive(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` is live (heartbeat key present) and neither leaving nor
+        gone: O(1), so a waiting worker can watch the one worker it defers to instead of
+        reading every member."""
+        k = self.keys
+
+        def _probe(r: Any) -> tuple[Any, Any]:
+            p = r.pipeline(transaction=False)
+            p.exists(k.hb(worker_id))
+            p.hget(k.workers, worker_id)
+            return tuple(p.execute())
+
+        beat, raw = self.client.call("read worker", _probe)
+        info = loads_dict(raw, f"{k.workers}[{worker_id}]", self.max_value_bytes)
+        return bool(beat) and info is not None and info.get("state") in (JOINING, ACTIVE)
 
     def _confirmed_generation(self) -> GenerationRecord | None:
         """The current generation record, read again and acknowledged by a replica."""
@@ -514,13 +609,7 @@ class Coordinator:
             lambda r: self._get(keys=[key], args=[self.max_value_bytes]),
             self._ack_key,
         )
-        doc = loads_dict(raw, key, self.max_value_bytes)
-        if doc is None:
-            return None
-        try:
-            return GenerationRecord.from_json(doc)
-        except RecordError as exc:
-            raise RecordError(f"coordinator entry {key}: {exc}") from None
+        return _parse_record(raw, key, self.max_value_bytes)
 
     # ------------------------------------------------------------------ change requests
     def request_change(self, request: ChangeRequest) -> None:
@@ -701,6 +790,36 @@ class Coordinator:
         if self.worker_id is None:
             raise UsageError("register() this worker with the coordinator first")
         return self.worker_id
+
+
+#: the last generation record parsed in this process: (key, stored bytes, record)
+_last_record: tuple[str, bytes, GenerationRecord] | None = None
+
+
+def _parse_record(raw: bytes | None, key: str, max_bytes: int) -> GenerationRecord | None:
+    """The record stored as ``raw`` under ``key`` (``None``: no record).
+
+    Records are immutable and a worker reads the same one several times (the wait, the
+    follower's checks, the leaver's), as do the threads of one process (several handles,
+    the benchmark's simulated workers): the same bytes are parsed once (O(N) at N
+    workers: some milliseconds at 1024) and the same record is handed out again.
+    """
+    global _last_record
+    if raw is None:
+        return None
+    raw = bytes(raw)
+    last = _last_record
+    if last is not None and last[0] == key and last[1] == raw:
+        return last[2]
+    doc = loads_dict(raw, key, max_bytes)
+    if doc is None:
+        return None
+    try:
+        record = GenerationRecord.from_json(doc)
+    except RecordError as exc:
+        raise RecordError(f"coordinator entry {key}: {exc}") from None
+    _last_record = (key, raw, record)  # one tuple: threads see an old entry or a new one
+    return record
 
 
 def _pipeline_exists(r: Any, keys: list[str]) -> list[int]:

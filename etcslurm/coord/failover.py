@@ -5,19 +5,20 @@
   a site).
 * :func:`hand_over` — the node hosting the primary got its preemption signal: give the
   primary to a replica *before* the node goes, without losing a write and without a
-  time where writes fail (they wait, paused, for about a second).
+  time where writes fail (they wait, paused, for tens of milliseconds).
 
-Why Sentinel's failover and not Redis's ``FAILOVER`` command: the Sentinels are what
-clients ask for the primary; after a ``FAILOVER`` they would keep naming the old primary
-(now a replica, answering ``READONLY``) until their own timeout promoted something, an
-outage of ``down-after`` + 20 s.  ``SENTINEL FAILOVER`` moves the Sentinels' view with
-the role.  Writes are paused first (``CLIENT PAUSE WRITE``) until a replica has all of
-them, so the promoted one is complete; the old primary is made a replica of the new one
-and its clients are disconnected, so every client asks Sentinel again at once.
+Why neither Sentinel's failover nor Redis's ``FAILOVER`` command: both wait for
+something that happens once a second (Sentinel's ``INFO`` polls while it promotes and
+reconfigures; the replicas' acks for ``FAILOVER``), and after a ``FAILOVER`` the
+Sentinels, which clients ask for the primary, keep naming the old one.  So the
+hand-over does what they do itself, in order, each step confirmed directly: pause
+writes, promote a replica that has every write, attach the others to it, re-point every
+Sentinel, disconnect the old primary's clients so they ask Sentinel again, unpause.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -127,19 +128,79 @@ def _replication(r: redis.Redis) -> tuple[int, list[tuple[str, int, int]]]:
     return offset, reps
 
 
+def _sentinels(client: CoordClient) -> list[redis.Redis]:
+    """Every Sentinel of the service: those the client knows plus the peers they name."""
+    sentinel = _need_sentinel(client)
+    known = list(sentinel.sentinels)
+    seen = {(s.connection_pool.connection_kwargs.get("host"),
+             int(s.connection_pool.connection_kwargs.get("port", 0))) for s in known}
+    for s in known:
+        try:
+            peers = s.sentinel_sentinels(client.service)
+        except redis.RedisError:
+            continue
+        for peer in peers or []:
+            key = (str(peer.get("ip")), int(peer.get("port", 0)))
+            if key[1] and key not in seen and not peer.get("is_sdown"):
+                seen.add(key)
+                known.append(redis.Redis(key[0], key[1], **sentinel.sentinel_kwargs))
+        break
+    return known
+
+
+def _each(sentinels: list[redis.Redis], fn: Any) -> list[str]:
+    """``fn(s)`` on every Sentinel at once (each rewrites and fsyncs its config file:
+    one after the other that is several fsyncs of waiting); returns the errors."""
+    errors: list[str] = []
+
+    def one(s: redis.Redis) -> None:
+        try:
+            fn(s)
+        except redis.RedisError as exc:
+            kw = s.connection_pool.connection_kwargs
+            errors.append(f"Sentinel {kw.get('host')}:{kw.get('port')}: {exc}")
+
+    threads = [threading.Thread(target=one, args=(s,), daemon=True) for s in sentinels]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10.0)
+    return errors
+
+
 def hand_over(client: CoordClient, *, timeout: float = 20.0, pause_ms: int = 15000,
               only_if: tuple[str, int] | list[str] | None = None) -> HandOver | None:
     """Give the primary to a replica now (its node is about to go); returns what moved.
 
-    Steps: pause writes on the primary (``CLIENT PAUSE pause_ms WRITE``: clients wait,
-    they do not fail), wait until a replica has every write, ``SENTINEL FAILOVER``, wait
-    until the Sentinels name the promoted replica and it answers as primary, make the
-    old primary its replica, disconnect the old primary's clients (they ask Sentinel
-    again and reach the new primary), unpause.  ``only_if``: do nothing (return
-    ``None``) unless the primary is at that address — the caller's own site, e.g. the
-    worker on a node being preempted asks for its node's Redis.  Raises
-    :class:`CoordinatorError` if no replica can take over within ``timeout`` s (the
-    writes are unpaused then and the primary stays).
+    Steps, all driven from here (milliseconds on a LAN, no polling interval involved):
+
+    1. pause writes on the primary (``CLIENT PAUSE pause_ms WRITE``: clients wait, they
+       do not fail); its replication offset is now final;
+    2. the first replica whose *own* offset (its ``INFO``, not the primary's view, which
+       is refreshed by the replicas' once-a-second acks) has reached it is complete:
+       ``REPLICAOF NO ONE`` promotes it;
+    3. the other replicas become its replicas (partial resync: they share its history);
+    4. every Sentinel is re-pointed at once: ``SENTINEL REMOVE`` on all of them, then
+       ``SENTINEL MONITOR`` + ``SENTINEL SET`` (password, ``down-after``,
+       ``failover-timeout``, ``parallel-syncs``, read back from the Sentinels) — removing
+       everywhere first means no Sentinel still announcing the old primary can talk a
+       re-pointed one back;
+    5. the old primary's clients are disconnected (every client asks Sentinel again and
+       finds the new primary; a paused write is retried there), then it becomes a replica
+       of the new primary, and writes are unpaused.
+
+    Why not ``SENTINEL FAILOVER``: Sentinel confirms a promotion and the replicas'
+    reconfiguration by polling ``INFO`` once a second, so writes waited 1.2-3.2 s.  Why not
+    Redis's ``FAILOVER``: it waits for the replica's periodic ack (up to 1 s) and leaves
+    the Sentinels naming the old primary.  Afterwards the Sentinels learn the replicas at
+    once (``INFO`` on their first link) and each other within 2 s (hello messages); until
+    then a *hard* loss of the new primary cannot be failed over (quorum).
+
+    ``only_if``: do nothing (return ``None``) unless the primary is at that address — the
+    caller's own site, e.g. the worker on a node being preempted asks for its node's
+    Redis.  Raises :class:`CoordinatorError` if no replica has caught up within
+    ``timeout`` s (the writes are unpaused then and the primary stays) or no Sentinel
+    accepted the new primary.
     """
     sentinel = _need_sentinel(client)
     service = client.service
@@ -149,58 +210,79 @@ def hand_over(client: CoordClient, *, timeout: float = 20.0, pause_ms: int = 150
     old = (str(old[0]), int(old[1]))
     if only_if is not None and (str(only_if[0]), int(only_if[1])) != old:
         return None
+    sentinels = _sentinels(client)
+    cfg: dict[str, Any] = {}
+    for s in sentinels:  # the service's settings, to monitor the new primary alike
+        try:
+            cfg = s.sentinel_master(service)
+            break
+        except redis.RedisError:
+            continue
+    if not cfg:
+        raise CoordinatorError(f"hand-over of the primary {old[0]}:{old[1]}: no Sentinel "
+                               f"answered for {service!r}")
+    kw = client.redis.connection_pool.connection_kwargs
+    settings: list[Any] = ["auth-pass", kw.get("password") or ""]
+    if kw.get("username"):
+        settings += ["auth-user", kw["username"]]
+    for name in ("down-after-milliseconds", "failover-timeout", "parallel-syncs"):
+        if name in cfg:
+            settings += [name, int(cfg[name])]
+    quorum = int(cfg.get("quorum", 2) or 2)
+
     prim = _direct(client, old, 5.0)
+    replicas: dict[tuple[str, int], redis.Redis] = {}
     paused_at = time.monotonic()
     try:
         prim.execute_command("CLIENT", "PAUSE", int(pause_ms), "WRITE")
-        # a replica with every write (writes are paused: the offset is final)
-        while True:
-            offset, reps = _replication(prim)
-            if any(o >= offset for _h, _p, o in reps):
-                break
-            if time.monotonic() > end:
-                raise CoordinatorError(
-                    f"hand-over of the primary {old[0]}:{old[1]}: no replica caught up within "
-                    f"{timeout:g} s (offset {offset}; replicas {reps})")
-            time.sleep(0.01)
-        last = ""
-        while True:  # a Sentinel that knows a good replica starts the failover
-            started = False
-            for s in list(sentinel.sentinels):
+        offset, reps = _replication(prim)  # writes are paused: the offset is final
+        replicas = {(h, p): _direct(client, (h, p), 2.0) for h, p, _o in reps}
+        new: tuple[str, int] | None = None
+        last = f"offset {offset}; replicas {sorted(replicas)}"
+        while new is None:
+            for addr, r in replicas.items():
                 try:
-                    s.sentinel_failover(service)
-                    started = True
+                    info = r.info("replication")
+                except redis.RedisError as exc:
+                    last = f"{addr[0]}:{addr[1]}: {exc}"
+                    continue
+                if (info.get("master_link_status") == "up"
+                        and int(info.get("slave_repl_offset", -1)) >= offset):
+                    new = addr
                     break
-                except redis.RedisError as exc:  # INPROG, NOGOODSLAVE, unreachable
-                    last = str(exc)
-            if started:
-                break
-            if time.monotonic() > end:
-                raise CoordinatorError(
-                    f"hand-over of the primary {old[0]}:{old[1]}: no Sentinel started a "
-                    f"failover within {timeout:g} s ({last})")
-            time.sleep(0.05)
-        while True:  # the Sentinels name the new primary and it acts as one
-            try:
-                new = tuple(sentinel.discover_master(service))
-                new = (str(new[0]), int(new[1]))
-                if new != old:
-                    r = _direct(client, new, 2.0)
-                    try:
-                        if r.execute_command("ROLE")[0] in (b"master", "master"):
-                            break
-                    finally:
-                        r.close()
-            except redis.RedisError as exc:
-                last = str(exc)
-            if time.monotonic() > end:
-                raise CoordinatorError(
-                    f"hand-over of the primary {old[0]}:{old[1]}: Sentinel did not promote "
-                    f"a replica within {timeout:g} s ({last})")
-            time.sleep(0.02)
-        # the old primary follows the new one; its clients reconnect through Sentinel
-        prim.execute_command("REPLICAOF", new[0], new[1])
+            else:
+                if time.monotonic() > end:
+                    raise CoordinatorError(
+                        f"hand-over of the primary {old[0]}:{old[1]}: no replica caught up "
+                        f"within {timeout:g} s ({last})")
+                time.sleep(0.002)
+        replicas[new].execute_command("REPLICAOF", "NO", "ONE")
+        for addr, r in replicas.items():
+            if addr != new:
+                try:
+                    r.execute_command("REPLICAOF", new[0], new[1])
+                except redis.RedisError:  # a replica going away: Sentinel fixes it later
+                    pass
+        removed = _each(sentinels, lambda s: s.execute_command("SENTINEL", "REMOVE", service))
+
+        def monitor(s: redis.Redis) -> None:
+            p = s.pipeline(transaction=False)  # one packet: set before the first link
+            p.execute_command("SENTINEL", "MONITOR", service, new[0], new[1], quorum)
+            p.execute_command("SENTINEL", "SET", service, *settings)
+            p.execute()
+
+        failed = _each(sentinels, monitor)
+        if len(failed) >= len(sentinels):
+            raise CoordinatorError(
+                f"hand-over of the primary {old[0]}:{old[1]} -> {new[0]}:{new[1]}: no "
+                f"Sentinel accepted the new primary ({'; '.join(removed + failed)})")
+        # the old primary's clients reconnect through Sentinel, now naming the new one.
+        # Before it becomes a replica: Redis answers a client blocked there (XREAD,
+        # BLPOP: event readers, generation waits) "UNBLOCKED ... master -> replica", an
+        # error no client retries, where a dropped connection is retried.  Their paused
+        # writes were never run: they are retried on the new primary.
         prim.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        prim.execute_command("REPLICAOF", new[0], new[1])
         paused_s = time.monotonic() - paused_at
     finally:
         try:
@@ -208,6 +290,8 @@ def hand_over(client: CoordClient, *, timeout: float = 20.0, pause_ms: int = 150
         except redis.RedisError:
             pass
         prim.close()
+        for r in replicas.values():
+            r.close()
     return HandOver(old=old, new=new, paused_s=paused_s, total_s=time.monotonic() - t0)
 
 

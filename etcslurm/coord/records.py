@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,8 +30,11 @@ from etcslurm.coord import schema
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.errors import LayoutError, RecordError
 
-#: Version of the generation record format (the ``version`` field of its JSON).
-VERSION = 1
+#: Version of the generation record format (the ``version`` field of its JSON): 2 is the
+#: compact form (worker lists as id ranges, nodes grouped, coordinates and planner ids
+#: derived); version 1 (every row spelled out) is still read.
+VERSION = 2
+READ_VERSIONS = (1, 2)
 #: Kinds of generation records: the first world, a resize, a whole-run checkpoint (nobody
 #: stays), a stop (state lost), the end of a finished run.
 KINDS = ("start", "resize", "checkpoint", "stop", "end")
@@ -154,10 +158,15 @@ def _value(value: Any, tp: Any, where: str) -> Any:
     elif origin is tuple:
         if isinstance(value, list | tuple):
             item = typing.get_args(tp)[0]
+            if (item is str or (isinstance(item, type) and issubclass(item, _Record))) and all(
+                    isinstance(v, item) for v in value):
+                return tuple(value)  # worker ids, rows built already: checked at C speed
             return tuple(_value(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     elif origin is dict:
         if isinstance(value, dict):
             item = typing.get_args(tp)[1]
+            if item is str and all(isinstance(v, str) for v in value.values()):
+                return {str(k): v for k, v in value.items()}
             return {str(k): _value(v, item, f"{where}[{k!r}]") for k, v in value.items()}
     elif isinstance(tp, type) and issubclass(tp, _Record):
         if isinstance(value, tp):
@@ -240,12 +249,23 @@ class GenerationRecord(_Record):
     published_at: float | None = None
     version: int = VERSION
 
+    def to_json(self) -> dict[str, Any]:
+        """The compact JSON form (version 2, see :func:`_compact`): every worker is named
+        about once, runs of consecutive ids ``w<a>..w<b>`` as ``[a, b]``, so the record a
+        1024-worker resize publishes — and every worker reads — is a few KiB."""
+        return _compact(super().to_json())
+
     @classmethod
     def from_json(cls, data: Any) -> GenerationRecord:
         # the version first: another version's fields would be reported as unknown
-        if isinstance(data, dict) and data.get("version", VERSION) != VERSION:
+        if isinstance(data, dict) and data.get("version", VERSION) not in READ_VERSIONS:
             raise RecordError(f"generation record: version {data.get('version')!r} is not "
-                              f"supported (this etcslurm reads version {VERSION})")
+                              f"supported (this etcslurm reads versions "
+                              f"{', '.join(map(str, READ_VERSIONS))})")
+        if isinstance(data, dict) and data.get("version", VERSION) == 2:
+            data = _expand(data)
+        elif isinstance(data, dict):
+            data = {**data, "version": VERSION}  # version 1: the full form, read as is
         return _build(cls, data, cls.WHAT)
 
     def _check(self) -> None:
@@ -265,15 +285,175 @@ class GenerationRecord(_Record):
             raise RecordError(f"{what}: field 'world' must be >= 1")
 
     def rank_of(self, worker: str) -> int | None:
-        """``worker``'s rank in this generation, or ``None`` when it has none."""
-        for a in self.assignment:
-            if a.worker == worker:
-                return a.rank
-        return None
+        """``worker``'s rank in this generation, or ``None`` when it has none.
+
+        A dict built once per record (not a scan per call): a 1024-rank world asks this
+        of every worker."""
+        ranks = self.__dict__.get("_ranks")
+        if ranks is None:
+            ranks = {a.worker: a.rank for a in self.assignment}
+            object.__setattr__(self, "_ranks", ranks)
+        return ranks.get(worker)
 
     def workers_by_rank(self) -> list[str]:
         """The worker ids of the world, in rank order."""
         return [a.worker for a in sorted(self.assignment, key=lambda a: a.rank)]
+
+
+# ---------------------------------------------------------------- the compact JSON form
+#
+# Version 2 of the ``gen`` key.  Why: every worker reads the record once per change, so its
+# size times the number of workers is what a resize costs Redis and the network; version 1
+# named each worker in six places (assignment rows with node and coordinate, old world,
+# union, nodes, planner ids): 124 KiB at 1024 workers, 124 MiB read per resize.  Here:
+#
+# * a worker list (``assignment``, ``old_world``, ``union``, ``leaving``, ``joining``,
+#   ``dead``, ``idle``) is a JSON list whose items are worker ids or ``[a, b]``: the ids
+#   ``w<a>``, ``w<a+1>``, ..., ``w<b>`` (registration order makes long runs the rule);
+# * ``assignment`` lists the workers by rank; each one's coordinate follows from the rank
+#   and the ``to`` layout, its node from ``nodes`` (a record whose rows say otherwise keeps
+#   the full rows: lossless either way);
+# * ``nodes`` maps a node to its worker list;
+# * ``planner_ids`` is left out when it is the rule (old rank for old members, ``join:k``
+#   for the k-th other union member), written out otherwise.
+
+_WID = re.compile(r"^w([1-9][0-9]*)$")
+_ID_LISTS = ("old_world", "union", "leaving", "joining", "dead", "idle")
+
+
+def pack_ids(ids: Any) -> Any:
+    """``[w1, w2, w3, w7, x]`` → ``[[1, 3], "w7", "x"]`` (runs of two or more ids)."""
+    out: list[Any] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        if len(run) >= 2:
+            out.append([run[0], run[-1]])
+        elif run:
+            out.append(f"w{run[0]}")
+        run.clear()
+
+    for wid in ids:
+        m = _WID.match(wid) if isinstance(wid, str) else None
+        if m is None:
+            flush()
+            out.append(wid)
+            continue
+        n = int(m.group(1))
+        if run and n != run[-1] + 1:
+            flush()
+        run.append(n)
+    flush()
+    return out
+
+
+def unpack_ids(packed: Any, where: str) -> Any:
+    """The inverse of :func:`pack_ids`.  Anything that is not a list is returned as it is
+    (the field check then names it); a range must be two integers ``1 <= a <= b``."""
+    if not isinstance(packed, list):
+        return packed
+    out: list[Any] = []
+    for i, item in enumerate(packed):
+        if isinstance(item, list):
+            ok = (len(item) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                         for x in item) and 1 <= item[0] <= item[1])
+            if not ok:
+                raise RecordError(f"{where}[{i}] must be a worker id or a range [first, "
+                                  f"last] of w<n> numbers, got {_show(item)}")
+            out.extend(f"w{n}" for n in range(item[0], item[1] + 1))
+        else:
+            out.append(item)
+    return out
+
+
+def _rule_planner_ids(old_world: Any, union: Any) -> dict[str, str]:
+    """Planner ids as ``runtime.generation.next_generation`` assigns them."""
+    old = list(old_world or ())
+    ids = {w: str(r) for r, w in enumerate(old)}
+    members = set(old)
+    ids.update({w: f"join:{k}" for k, w in enumerate(w for w in union if w not in members)})
+    return ids
+
+
+def _compact(doc: dict[str, Any]) -> dict[str, Any]:
+    """The version-2 form of a full (``_Record.to_json``) record document."""
+    out = dict(doc)
+    nodes: dict[str, str] = doc["nodes"]
+    rows = doc["assignment"]
+    try:
+        cfg = ParallelConfig.parse(doc["to"])
+        derived = all(
+            r["rank"] == i and r["node"] == nodes.get(r["worker"], "?")
+            and (r["tp"], r["pp"], r["dp"]) == tuple(cfg.coord(i)) for i, r in enumerate(rows))
+    except (LayoutError, KeyError, TypeError):
+        derived = False
+    if derived:
+        out["assignment"] = pack_ids([r["worker"] for r in rows])
+    for name in _ID_LISTS:
+        if doc[name] is not None:
+            out[name] = pack_ids(doc[name])
+    grouped: dict[str, list[str]] = {}
+    for worker, node in nodes.items():
+        grouped.setdefault(node, []).append(worker)
+    out["nodes"] = {node: pack_ids(ws) for node, ws in grouped.items()}
+    if doc["planner_ids"] == _rule_planner_ids(doc["old_world"], doc["union"]):
+        del out["planner_ids"]
+    out["version"] = 2
+    return out
+
+
+def _expand(doc: dict[str, Any]) -> dict[str, Any]:
+    """The full form of a version-2 document (what the dataclass fields hold); fields it
+    cannot expand are passed on unchanged, so the field checks name them."""
+    what = "generation record"
+    out = dict(doc)
+    for name in _ID_LISTS:
+        if name in doc and doc[name] is not None:
+            out[name] = unpack_ids(doc[name], f"{what}: field {name!r}")
+    grouped = doc.get("nodes")
+    if isinstance(grouped, dict):
+        nodes: dict[str, Any] = {}
+        for node, ws in grouped.items():
+            ids = unpack_ids(ws, f"{what}: field 'nodes'[{node!r}]")
+            if not isinstance(ids, list):
+                raise RecordError(f"{what}: field 'nodes'[{node!r}] must be a list of worker "
+                                  f"ids, got {_show(ws)}")
+            for w in ids:
+                nodes[str(w)] = node
+        out["nodes"] = nodes
+    rows = doc.get("assignment")
+    if isinstance(rows, list) and not any(isinstance(r, dict) for r in rows):
+        workers = unpack_ids(rows, f"{what}: field 'assignment'")
+        to = doc.get("to")
+        if not isinstance(to, str):
+            raise RecordError(f"{what}: field 'to' must be string (the layout the "
+                              f"assignment's coordinates follow from), got {_show(to)}")
+        try:
+            cfg = ParallelConfig.parse(to)
+        except LayoutError as exc:
+            raise RecordError(f"{what}: field 'to': {exc}") from None
+        if cfg is not None:
+            if len(workers) > cfg.world_size:
+                raise RecordError(f"{what}: field 'assignment' names {len(workers)} ranks, "
+                                  f"layout {cfg} has {cfg.world_size}")
+            node_of = out.get("nodes") if isinstance(out.get("nodes"), dict) else {}
+            bad = next((w for w in workers if not isinstance(w, str)), None) \
+                if isinstance(workers, list) else workers
+            if bad is not None:
+                raise RecordError(f"{what}: field 'assignment' must be a list of worker ids "
+                                  f"(by rank), got {_show(bad)}")
+            # built here, not through the field checks: every value is derived (ints from
+            # the layout, the id just checked), and this runs in every worker at a resize
+            out["assignment"] = tuple(
+                Assignment(i, w, str(node_of.get(w, "?")), c.tp, c.pp, c.dp)
+                for i, (w, c) in enumerate(zip(workers, map(cfg.coord, range(len(workers))),
+                                               strict=True)))
+    if "planner_ids" not in doc and isinstance(out.get("union"), list):
+        old = out.get("old_world")
+        out["planner_ids"] = _rule_planner_ids(old if isinstance(old, list) else None,
+                                               [w for w in out["union"] if isinstance(w, str)])
+    out["version"] = VERSION
+    return out
 
 
 # ---------------------------------------------------------------- change requests
@@ -620,6 +800,7 @@ def _doc_type(tp: Any) -> str:
 __all__ = [
     "EVENT_TYPES",
     "KINDS",
+    "READ_VERSIONS",
     "VERSION",
     "Assignment",
     "ChangeRequest",
@@ -641,5 +822,7 @@ __all__ = [
     "WorkerState",
     "event_data",
     "field_summary",
+    "pack_ids",
     "parse_event",
+    "unpack_ids",
 ]

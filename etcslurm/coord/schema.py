@@ -49,6 +49,8 @@ class Keys:
         self.workers = p + "workers"  # hash worker id -> JSON info + state
         self.worker_seq = p + "worker_seq"  # counter for worker ids
         self.gen = p + "gen"  # current generation JSON
+        self.gen_no = p + "gen_no"  # its number, written with it: what waiters read (O(1))
+        self.news = p + "news"  # stream of 'gen'/'committed' notices that waiters block on
         self.committed = p + "committed"  # number of the last generation every member entered
         self.events = p + "events"  # stream: type, ts, data (JSON), worker
         self.changes = p + "changes"  # list of JSON change requests (coord/records.py)
@@ -64,8 +66,8 @@ class Keys:
 
     def fixed(self) -> list[str]:
         """The keys whose names do not depend on workers or generations."""
-        return [self.spec, self.workers, self.worker_seq, self.gen, self.committed,
-                self.events, self.changes, self.stores]
+        return [self.spec, self.workers, self.worker_seq, self.gen, self.gen_no, self.news,
+                self.committed, self.events, self.changes, self.stores]
 
 
 def dumps(value: Any, what: str, max_bytes: int = MAX_VALUE_BYTES) -> bytes:

@@ -39,21 +39,51 @@ end
 return all
 """
 
-# Generation compare-and-set.  KEYS[1] gen; ARGV[1] expected current number (-1: none);
-# ARGV[2] new record JSON.  Returns {1, previous} when set, {0, current} when another won.
-GEN_CAS = """
-local cur = redis.call('GET', KEYS[1])
-local curn = -1
-if cur then
+# The current generation's number: the small ``gen_no`` key, or (a record written
+# without it: an older etcslurm, a hand-edited key) decoded from the record.  Used inside
+# the scripts below (a malformed record comes back as an error table: return it).
+_GEN_NUMBER = """
+local function gen_number(no_key, gen_key)
+  local no = redis.call('GET', no_key)
+  if no then return tonumber(no) end
+  local cur = redis.call('GET', gen_key)
+  if not cur then return -1 end
   local ok, obj = pcall(cjson.decode, cur)
   if not ok or type(obj) ~= 'table' or type(obj['generation']) ~= 'number' then
-    return redis.error_reply('ETCSLURM ' .. KEYS[1] .. ' is malformed (no generation number)')
+    return redis.error_reply('ETCSLURM ' .. gen_key .. ' is malformed (no generation number)')
   end
-  curn = obj['generation']
+  return obj['generation']
 end
+"""
+
+# Generation compare-and-set.  KEYS[1] gen; KEYS[2] gen_no; KEYS[3] news stream;
+# ARGV[1] expected current number (-1: none); ARGV[2] new record JSON; ARGV[3] its number;
+# ARGV[4] stream cap.  Returns {1, previous} when set, {0, current} when another won.
+# The record, its number and a ``gen`` notice on the news stream are written in one
+# atomic step, so a waiter that reads the number (O(1)) or blocks on the stream never
+# sees one without the other.
+GEN_CAS = _GEN_NUMBER + """
+local curn = gen_number(KEYS[2], KEYS[1])
+if type(curn) == 'table' then return curn end
 if curn ~= tonumber(ARGV[1]) then return {0, curn} end
 redis.call('SET', KEYS[1], ARGV[2])
+redis.call('SET', KEYS[2], ARGV[3])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'gen', ARGV[3])
 return {1, curn}
+"""
+
+# What a waiting worker needs to know, O(1) whatever the run's size.  KEYS[1] gen;
+# KEYS[2] gen_no; KEYS[3] committed; KEYS[4] news stream.  Returns {current generation
+# (-1: none), committed generation (-1: none), id of the newest notice ('0-0': none)}:
+# block on the stream after that id (XREAD) to hear of the next publish or commit.
+GEN_HEAD = _GEN_NUMBER + """
+local curn = gen_number(KEYS[2], KEYS[1])
+if type(curn) == 'table' then return curn end
+local committed = tonumber(redis.call('GET', KEYS[3]) or '-1')
+local last = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)
+local cursor = '0-0'
+if #last > 0 then cursor = last[1][1] end
+return {curn, committed, cursor}
 """
 
 # Heartbeat with self-healing membership (a restarted Redis without persistence lost the
@@ -95,12 +125,18 @@ if redis.call('EXISTS', KEYS[2]) == 1 then return false end
 return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 2))
 """
 
-# KEYS[1] a number; KEYS[2] ended; ARGV[1] candidate.  Sets KEYS[1] to the larger of the
-# two (a commit never goes back); nothing after end_run.  Returns the value now stored.
-MAX_SET_UNLESS_ENDED = """
+# The commit.  KEYS[1] committed; KEYS[2] ended; KEYS[3] news stream; ARGV[1] candidate;
+# ARGV[2] stream cap.  Sets KEYS[1] to the larger of the two (a commit never goes back)
+# and, when it moved, adds a ``committed`` notice to the stream (waking the leavers that
+# wait for it); nothing after end_run.  Returns the value now stored.
+COMMIT = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return false end
 local cur = tonumber(redis.call('GET', KEYS[1]) or '-1')
 local new = tonumber(ARGV[1])
-if new > cur then redis.call('SET', KEYS[1], ARGV[1]); return new end
+if new > cur then
+  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'committed', ARGV[1])
+  return new
+end
 return cur
 """

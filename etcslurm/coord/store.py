@@ -7,7 +7,9 @@ cannot rebuild.  Redis outlives every worker, so each generation's process group
 torch.distributed puts there (addresses, counters), never pickled objects.
 
 ``add`` uses ``HINCRBY`` and ``compare_set`` a Lua script, so both are atomic across ranks;
-``wait``/``get`` poll with a short backoff until the store timeout, then raise the
+``get`` fetches the value as soon as it is there (one ``HGET`` per try, no separate
+existence check) and ``wait`` asks for all its keys in one command; both retry with a
+short backoff (1 ms doubling to 20 ms) until the store timeout, then raise the
 ``DistStoreError`` that torch expects, with the missing keys in the message.
 """
 
@@ -39,7 +41,19 @@ redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return out
 """
 
+# KEYS[1] hash; ARGV: fields.  Returns the 1-based indexes of the fields not in the hash:
+# one command whatever the number of keys waited for.
+_MISSING = """
+local out = {}
+for i = 1, #ARGV do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then out[#out + 1] = i end
+end
+return out
+"""
+
 _DEFAULT_TIMEOUT = timedelta(seconds=300)
+#: first and longest pause between two tries of a ``get``/``wait`` (seconds)
+_FIRST_DELAY, _MAX_DELAY = 0.001, 0.02
 
 
 def _bytes(value: str | bytes) -> bytes:
@@ -71,6 +85,7 @@ class RedisStore(dist.Store):
         self.hash = keys.store(generation)
         self._ttl_ms = int(ttl * 1000)
         self._cas = client.redis.register_script(_COMPARE_SET)
+        self._missing = client.redis.register_script(_MISSING)
         self.set_timeout(timeout)
         client.call("store register", lambda r: r.sadd(keys.stores, self.generation))
 
@@ -89,11 +104,25 @@ class RedisStore(dist.Store):
         self._write(f"store set {key}", lambda p: p.hset(self.hash, key, v))
 
     def get(self, key: str) -> bytes:
-        self.wait([key])
-        value = self.client.call(f"store get {key}", lambda r: r.hget(self.hash, key))
-        if value is None:  # deleted between wait and get
-            raise dist.DistStoreError(f"store key {key} vanished from {self.hash}")
-        return bytes(value)
+        """The value of ``key``, waiting (up to the store timeout) until a rank sets it.
+
+        Each try is one ``HGET`` that returns the value when present: the common case
+        (an NCCL unique id every rank fetches) costs each rank one or a few commands, not
+        a wait loop and then a read."""
+        limit = self.timeout.total_seconds()
+        end = time.monotonic() + limit
+        delay = _FIRST_DELAY
+        while True:
+            value = self.client.call(f"store get {key}", lambda r: r.hget(self.hash, key))
+            if value is not None:
+                return bytes(value)
+            left = end - time.monotonic()
+            if left <= 0:
+                raise dist.DistStoreError(
+                    f"Timed out after {limit:g} s waiting for store key {key!r} in "
+                    f"{self.hash} (a rank of generation {self.generation} never arrived)")
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, _MAX_DELAY)
 
     def add(self, key: str, value: int) -> int:
         return int(self._write(f"store add {key}", lambda p: p.hincrby(self.hash, key, int(value))))
@@ -107,33 +136,35 @@ class RedisStore(dist.Store):
         )
         return bytes(out)
 
-    def _present(self, keys: list[str]) -> list[bool]:
-        def _ex(r: Any) -> list[bool]:
-            p = r.pipeline(transaction=False)
-            for k in keys:
-                p.hexists(self.hash, k)
-            return [bool(x) for x in p.execute()]
-
-        return self.client.call("store check", _ex)
+    def _absent(self, keys: list[str]) -> list[str]:
+        """The keys not (yet) in the store: one command for any number of keys."""
+        idx = self.client.call("store check", lambda r: self._missing(keys=[self.hash],
+                                                                      args=keys))
+        return [keys[int(i) - 1] for i in idx]
 
     def check(self, keys: list[str]) -> bool:
-        return all(self._present(list(keys))) if keys else True
+        return not self._absent(list(keys)) if keys else True
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         keys = list(keys)
+        if not keys:
+            return
         limit = (timeout if timeout is not None else self.timeout).total_seconds()
         end = time.monotonic() + limit
-        delay = 0.001
-        while not self.check(keys):
+        delay = _FIRST_DELAY
+        while True:
+            missing = self._absent(keys)
+            if not missing:
+                return
+            keys = missing  # the others are there; stores only grow while ranks meet
             left = end - time.monotonic()
             if left <= 0:
-                missing = [k for k, ok in zip(keys, self._present(keys), strict=True) if not ok]
                 raise dist.DistStoreError(
                     f"Timed out after {limit:g} s waiting for store keys {missing} in "
                     f"{self.hash} (a rank of generation {self.generation} never arrived)"
                 )
             time.sleep(min(delay, left))
-            delay = min(delay * 2, 0.02)
+            delay = min(delay * 2, _MAX_DELAY)
 
     def delete_key(self, key: str) -> bool:
         return int(self.client.call("store delete", lambda r: r.hdel(self.hash, key))) > 0

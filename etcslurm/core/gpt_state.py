@@ -22,7 +22,7 @@ keys without a DDP ``module.`` prefix) so that a plan for 10k GPUs needs no GPU:
   ``exp_avg``/``exp_avg_sq`` (and ``fp32_param`` for non-fp32 params) pieces via :func:`flat_range_pieces` (keys as
   the ``fully_sharded_model_space`` format names them).
 
-Ranks with identical holdings share a *class* (plain Adam: one per (tp, pp); distributed:
+Ranks with identical holdings share a *class* (plain Adam: one per (tp, pp), MoE: per (tp, pp, ep); distributed:
 one per (tp, pp, dp)), which is what keeps the planner fast.
 """
 
@@ -75,6 +75,9 @@ class ParamDef:
     box: tuple[tuple[int, int], ...]  # in global coordinates (layer axis included)
     shared_embedding: bool = False
     parts: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    #: an expert's weight: sharded over expert parallelism, replicated over expert DP,
+    #: and kept in DDP's separate expert buffer (its own ZeRO-1 shards)
+    expert: bool = False
 
     @property
     def boxes(self) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -104,22 +107,53 @@ def _split(extent: int, tp: int, tp_rank: int) -> tuple[int, int]:
 
 
 def stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int,
-                 vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP) -> list[ParamDef]:
-    """Parameters of one (tp, pp) rank in ``model.named_parameters()`` order (cached)."""
-    return list(_stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp))
+                 vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
+                 ep_rank: int = 0) -> list[ParamDef]:
+    """Parameters of one (tp, pp) rank -- for a MoE model, of one (tp, pp, ep) rank -- in
+    ``model.named_parameters()`` order (cached)."""
+    return list(_stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp, ep_rank))
 
 
 def _gated(key: str, lay: tuple[int, int], rows: int, tp: int, tp_rank: int,
-           *rest: tuple[int, int]) -> ParamDef:
-    """A gated ``linear_fc1`` tensor as megatron's SwiGLU factory splits it."""
+           *rest: tuple[int, int], expert: tuple[int, int] | None = None) -> ParamDef:
+    """A gated ``linear_fc1`` tensor as megatron's SwiGLU factory splits it (``expert``:
+    the expert axis of an expert's tensor, after the layer axis)."""
     lo, hi = _split(rows, tp, tp_rank)
-    gate, up = (lay, (lo, hi), *rest), (lay, (rows + lo, rows + hi), *rest)
-    return ParamDef(key, gate, parts=(gate, up))
+    head = (lay, expert) if expert is not None else (lay,)
+    gate, up = (*head, (lo, hi), *rest), (*head, (rows + lo, rows + hi), *rest)
+    return ParamDef(key, gate, parts=(gate, up), expert=expert is not None)
+
+
+#: checkpoint keys of a MoE layer (megatron-core 0.16.1, ``SequentialMLP``: every local
+#: expert is checkpointed as one slice of a ``[layers, experts, ...]`` tensor)
+ROUTER_KEY = "decoder.layers.mlp.router.weight"
+EXPERT_FC1_KEY = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+EXPERT_FC2_KEY = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
+
+
+def _moe_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, ep_rank: int,
+                lay: tuple[int, int]) -> list[ParamDef]:
+    """One MoE layer's router (replicated) and this rank's experts: experts
+    ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``, each TP-split like a dense MLP."""
+    h, f, tp = spec.hidden, int(spec.expert_ffn or 0), cfg.tp
+    out = [ParamDef(ROUTER_KEY, (lay, (0, spec.experts), (0, h)))]
+    per_rank = spec.experts // cfg.ep
+    for g in range(ep_rank * per_rank, (ep_rank + 1) * per_rank):
+        ex = (g, g + 1)
+        if spec.gated:
+            out.append(_gated(EXPERT_FC1_KEY, lay, f, tp, tp_rank, (0, h), expert=ex))
+        else:
+            out.append(ParamDef(EXPERT_FC1_KEY, (lay, ex, _split(f, tp, tp_rank), (0, h)),
+                                expert=True))
+        out.append(ParamDef(EXPERT_FC2_KEY, (lay, ex, (0, h), _split(f, tp, tp_rank)),
+                            expert=True))
+    return out
 
 
 @lru_cache(maxsize=1024)
 def _stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int,
-                  vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP) -> tuple[ParamDef, ...]:
+                  vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
+                  ep_rank: int = 0) -> tuple[ParamDef, ...]:
     """Parameters of one (tp, pp) rank in ``model.named_parameters()`` order.
 
     ``vocab_pad_tp``: see :func:`padded_vocab`.  Follows megatron-core 0.16.1's local
@@ -127,7 +161,8 @@ def _stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int
     ``self_attention.linear_qkv.layer_norm_*``), ``linear_proj``, ``linear_qkv`` (rows
     ``(heads + 2*groups) * kv_channels``, TP-split by whole groups), ``pre_mlp_layernorm``
     (``mlp.linear_fc1.layer_norm_*``), ``linear_fc1`` (gated: two factory halves),
-    ``linear_fc2``; biases and norm biases only when the spec has them.
+    ``linear_fc2``; biases and norm biases only when the spec has them.  A MoE layer has
+    the router and this EP rank's experts in place of ``linear_fc1``/``linear_fc2``.
     """
     h, f, tp = spec.hidden, spec.ffn, cfg.tp
     vocab = padded_vocab(spec, tp, vocab_pad_tp)
@@ -164,6 +199,9 @@ def _stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int
         out.append(ParamDef(mlp + "linear_fc1.layer_norm_weight", (lay, full(h))))
         if norm_bias:
             out.append(ParamDef(mlp + "linear_fc1.layer_norm_bias", (lay, full(h))))
+        if spec.moe:
+            out.extend(_moe_params(spec, cfg, tp_rank, ep_rank, lay))
+            continue
         if spec.gated:
             out.append(_gated(mlp + "linear_fc1.weight", lay, f, tp, tp_rank, full(h)))
             if bias:
@@ -269,10 +307,11 @@ def check_model(spec: GPTSpec, cfg: ParallelConfig, params_dtype: str | None = N
 @lru_cache(maxsize=256)
 def _model_block(
     spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int, optimizer: str,
-    params_dtype: str, vocab_pad_tp: int | None,
+    params_dtype: str, vocab_pad_tp: int | None, ep_rank: int = 0,
 ) -> tuple[Piece, ...]:
-    """What every DP replica of (tp, pp) holds: params (+ plain Adam's state)."""
-    params = stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp)
+    """What every DP replica of (tp, pp) -- MoE: every expert-DP replica of (tp, pp, ep)
+    -- holds: params (+ plain Adam's state)."""
+    params = stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp, ep_rank)
     out = [Piece(p.key, b, params_dtype) for p in params for b in p.boxes]
     if optimizer == "adam":
         kinds = _opt_kinds(optimizer, params_dtype)
@@ -286,14 +325,33 @@ def _shard_block(
     spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int, dp_rank: int,
     params_dtype: str, overlap_grad_reduce: bool, vocab_pad_tp: int | None,
 ) -> tuple[Piece, ...]:
-    """The distributed optimizer's ZeRO-1 shard of one (tp, pp, dp) rank."""
-    params = _stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp)
+    """The distributed optimizer's ZeRO-1 shard of one (tp, pp, dp) rank: of the dense
+    buffer (sharded over DP) and, for a MoE model, of the expert buffer (sharded over
+    expert DP)."""
+    out = _buffer_shard(spec, cfg, tp_rank, pp_rank, dp_rank, params_dtype,
+                        overlap_grad_reduce, vocab_pad_tp, expert=False)
+    if spec.moe:
+        ep_rank, edp_rank = divmod(dp_rank, cfg.ep)[::-1]
+        out += _buffer_shard(spec, cfg, tp_rank, pp_rank, edp_rank, params_dtype,
+                             overlap_grad_reduce, vocab_pad_tp, expert=True, ep_rank=ep_rank)
+    return out
+
+
+def _buffer_shard(
+    spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int, dp_rank: int,
+    params_dtype: str, overlap_grad_reduce: bool, vocab_pad_tp: int | None, *,
+    expert: bool, ep_rank: int = 0,
+) -> tuple[Piece, ...]:
+    """One DP rank's ZeRO-1 shard of one DDP buffer (``dp_rank``: in the buffer's group)."""
+    params = [p for p in _stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp, ep_rank)
+              if p.expert == expert]
     kinds = _opt_kinds("distributed", params_dtype)
     buckets, _, order, starts, ends = _buffer_layout_cached(
-        spec, cfg, pp_rank, overlap_grad_reduce, vocab_pad_tp)
+        spec, cfg, pp_rank, overlap_grad_reduce, vocab_pad_tp, expert)
+    group = cfg.edp if expert else cfg.dp
     out: list[Piece] = []
     for b_start, b_end in buckets:
-        shard = (b_end - b_start) // cfg.dp
+        shard = (b_end - b_start) // group
         lo, hi = b_start + dp_rank * shard, b_start + (dp_rank + 1) * shard
         # params in buffer order whose range meets [lo, hi)
         k = bisect.bisect_right(ends, lo)
@@ -310,11 +368,13 @@ def _shard_block(
 
 
 @lru_cache(maxsize=256)
-def _buffer_layout_cached(spec, cfg, pp_rank, overlap_grad_reduce, vocab_pad_tp):
-    # sizes do not depend on the TP rank, so tp_rank 0 stands for all
-    params = stage_params(spec, cfg, 0, pp_rank, vocab_pad_tp)
+def _buffer_layout_cached(spec, cfg, pp_rank, overlap_grad_reduce, vocab_pad_tp, expert=False):
+    # sizes do not depend on the TP or EP rank, so rank 0 stands for all; a MoE model's
+    # DDP keeps its expert params in a buffer of their own, sharded over expert DP
+    params = [p for p in stage_params(spec, cfg, 0, pp_rank, vocab_pad_tp) if p.expert == expert]
+    group = cfg.edp if expert else cfg.dp
     buckets, index = buffer_layout(
-        params, cfg.dp, ddp_bucket_size(cfg.dp, pp_rank, overlap_grad_reduce))
+        params, group, ddp_bucket_size(cfg.dp, pp_rank, overlap_grad_reduce))
     # DistributedOptimizer order: buckets in order, params by buffer position
     order = sorted(range(len(params)), key=lambda i: index[i][0])
     starts = [index[i][0] for i in order]
@@ -326,7 +386,9 @@ def _class_pieces(
     spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int, dp_rank: int | None,
     optimizer: str, params_dtype: str, overlap_grad_reduce: bool, vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
 ) -> tuple[Piece, ...]:
-    out = _model_block(spec, cfg, tp_rank, pp_rank, optimizer, params_dtype, vocab_pad_tp)
+    ep_rank = (dp_rank or 0) % cfg.ep
+    out = _model_block(spec, cfg, tp_rank, pp_rank, optimizer, params_dtype, vocab_pad_tp,
+                       ep_rank)
     if optimizer == "adam":
         return out
     assert dp_rank is not None
@@ -344,6 +406,10 @@ def rank_pieces(
     check_optimizer(optimizer)
     params_dtype = check_model(spec, cfg, params_dtype)
     c = cfg.coord(rank)
+    if optimizer == "adam" and cfg.ep > 1:  # the model block depends on the EP rank
+        block = _model_block(spec, cfg, c.tp, c.pp, optimizer, params_dtype, vocab_pad_tp,
+                             cfg.expert_coord(rank).ep)
+        return list(block)
     return list(_class_pieces(spec, cfg, c.tp, c.pp, c.dp if optimizer == "distributed" else None,
                               optimizer, params_dtype, overlap_grad_reduce, vocab_pad_tp))
 
@@ -382,22 +448,29 @@ def expand(
     check_optimizer(optimizer)
     params_dtype = check_model(spec, cfg, params_dtype)
     blocks: list[tuple[Piece, ...]] = []
-    model_block: dict[tuple[int, int], int] = {}
+    model_block: dict[tuple[int, int, int], int] = {}
     for pp in range(cfg.pp):
         for tp in range(cfg.tp):
-            model_block[(tp, pp)] = len(blocks)
-            blocks.append(_model_block(spec, cfg, tp, pp, optimizer, params_dtype, vocab_pad_tp))
+            for ep in range(cfg.ep):  # a MoE model's experts differ per EP rank
+                model_block[(tp, pp, ep)] = len(blocks)
+                blocks.append(_model_block(spec, cfg, tp, pp, optimizer, params_dtype,
+                                           vocab_pad_tp, ep))
     class_blocks: list[tuple[int, ...]] = []
     rank_class: list[int] = []
+
+    def block_of(rank: int) -> int:
+        c = cfg.coord(rank)
+        return model_block[(c.tp, c.pp, c.dp % cfg.ep)]
+
     if optimizer == "adam":
         class_blocks = [(i,) for i in range(len(blocks))]
-        rank_class = [model_block[(c.tp, c.pp)] for c in map(cfg.coord, range(cfg.world_size))]
+        rank_class = [block_of(rank) for rank in range(cfg.world_size)]
     else:
         for rank in range(cfg.world_size):
             c = cfg.coord(rank)
             blocks.append(_shard_block(spec, cfg, c.tp, c.pp, c.dp, params_dtype,
                                        overlap_grad_reduce, vocab_pad_tp))
-            class_blocks.append((model_block[(c.tp, c.pp)], len(blocks) - 1))
+            class_blocks.append((block_of(rank), len(blocks) - 1))
             rank_class.append(rank)
     return LayoutState(cfg, tuple(blocks), tuple(class_blocks), tuple(rank_class))
 

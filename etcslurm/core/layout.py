@@ -1,10 +1,18 @@
-"""Hybrid-parallel layouts (TP x PP x DP) in megatron-core's rank order, and the policy
-that picks the next layout when devices leave or join.
+"""Hybrid-parallel layouts (TP x PP x DP, with expert parallelism for MoE models) in
+megatron-core's rank order, and the policy that picks the next layout when devices leave
+or join.
 
-Rank order is megatron-core's default ``tp-cp-ep-dp-pp`` with cp = ep = 1, i.e.
+Rank order is megatron-core's default ``tp-cp-ep-dp-pp`` with cp = 1, i.e.
 ``rank = tp + TP * (dp + DP * pp)``: TP neighbours are adjacent ranks (so a TP group sits
 inside a node when ``TP`` divides the GPUs per node), and DP replicas of one pipeline stage
 follow each other.
+
+Expert parallelism (``tp1pp1dp4ep2``) is megatron-core's: the dense parts are laid out as
+above; the experts of every MoE layer are split over ``ep`` ranks, which are consecutive
+data-parallel ranks (expert tensor parallelism = TP), and each expert shard is replicated
+over the expert-data-parallel size ``dp / ep``: a rank's expert coordinate is
+``ep_rank = dp % EP``, ``edp_rank = dp // EP`` (megatron's expert rank generator,
+``tp-cp-ep-dp-pp`` over (TP, EP, DP/EP, PP)).  ``ep`` must divide ``dp`` and the experts.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from typing import NamedTuple
 from etcslurm.core.models import GPTSpec
 from etcslurm.errors import LayoutError
 
-_TEXT = re.compile(r"^tp(\d+)pp(\d+)dp(\d+)$")
+_TEXT = re.compile(r"^tp(\d+)pp(\d+)dp(\d+)(?:ep(\d+))?$")
 
 
 class RankCoord(NamedTuple):
@@ -27,16 +35,26 @@ class RankCoord(NamedTuple):
     dp: int
 
 
+class ExpertCoord(NamedTuple):
+    """A rank's coordinate among the experts: which expert shard, which replica of it."""
+
+    ep: int
+    edp: int
+
+
 @dataclass(frozen=True, order=True)
 class ParallelConfig:
-    """Tensor-, pipeline- and data-parallel sizes; text form ``tp2pp2dp4``."""
+    """Tensor-, pipeline-, data- and expert-parallel sizes; text form ``tp2pp2dp4`` (and
+    ``tp1pp1dp4ep2`` when ``ep`` > 1).  ``ep`` splits a MoE model's experts over
+    consecutive DP ranks; it must divide ``dp``."""
 
     tp: int
     pp: int
     dp: int
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"layout: {name} must be a positive integer, got {value!r}")
@@ -45,14 +63,28 @@ class ParallelConfig:
     def parse(cls, text: str) -> ParallelConfig:
         match = _TEXT.match(text.strip().lower())
         if not match:
-            raise LayoutError(f"layout {text!r} is not of the form tp<N>pp<N>dp<N> (e.g. tp2pp2dp4)")
-        tp, pp, dp = (int(g) for g in match.groups())
-        if min(tp, pp, dp) < 1:
+            raise LayoutError(
+                f"layout {text!r} is not of the form tp<N>pp<N>dp<N>[ep<N>] (e.g. tp2pp2dp4, "
+                "tp1pp1dp4ep2)"
+            )
+        tp, pp, dp, ep = (int(g) if g is not None else 1 for g in match.groups())
+        if min(tp, pp, dp, ep) < 1:
             raise LayoutError(f"layout {text!r}: every size must be at least 1")
-        return cls(tp, pp, dp)
+        return cls(tp, pp, dp, ep)
 
     def __str__(self) -> str:
-        return f"tp{self.tp}pp{self.pp}dp{self.dp}"
+        text = f"tp{self.tp}pp{self.pp}dp{self.dp}"
+        return f"{text}ep{self.ep}" if self.ep > 1 else text
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the replicas of each expert shard (``dp / ep``)."""
+        return self.dp // self.ep
+
+    def expert_coord(self, rank: int) -> ExpertCoord:
+        """Which expert shard (``ep``) and which replica of it (``edp``) a rank holds."""
+        dp = self.coord(rank).dp
+        return ExpertCoord(dp % self.ep, dp // self.ep)
 
     @property
     def world_size(self) -> int:
@@ -78,10 +110,13 @@ class ParallelConfig:
         out: list[str] = []
         if world_size is not None and self.world_size != world_size:
             out.append(f"{self} needs {self.world_size} devices, not {world_size}")
+        if self.dp % self.ep:
+            out.append(f"ep={self.ep} does not divide dp={self.dp}")
         if spec is not None:
             out.extend(spec.tp_problems(self.tp))  # heads, query groups, ffn
             if spec.layers % self.pp:
                 out.append(f"layers={spec.layers} is not divisible by pp={self.pp}")
+            out.extend(spec.ep_problems(self.ep))  # a MoE model, experts divisible
         return out
 
     def validate(self, spec: GPTSpec | None = None, world_size: int | None = None) -> None:
@@ -106,15 +141,19 @@ def valid_configs(
     world_size: int, spec: GPTSpec | None = None, gpus_per_node: int | None = None
 ) -> list[ParallelConfig]:
     """All layouts of exactly ``world_size`` devices that suit ``spec``; with
-    ``gpus_per_node``, only those whose TP groups fit inside a node."""
+    ``gpus_per_node``, only those whose TP groups fit inside a node.  For a MoE ``spec``
+    every expert-parallel size that divides DP and the experts is listed."""
     out = []
     for tp in _divisors(world_size):
         if gpus_per_node is not None and gpus_per_node % tp:
             continue
         for pp in _divisors(world_size // tp):
-            cfg = ParallelConfig(tp, pp, world_size // (tp * pp))
-            if not cfg.problems(spec):
-                out.append(cfg)
+            dp = world_size // (tp * pp)
+            eps = _divisors(dp) if spec is not None and spec.moe else [1]
+            for ep in eps:
+                cfg = ParallelConfig(tp, pp, dp, ep)
+                if not cfg.problems(spec):
+                    out.append(cfg)
     return out
 
 
@@ -136,9 +175,10 @@ MEMORY_FRACTION = 0.7
 
 def rank_state_bytes(spec: GPTSpec, cfg: ParallelConfig, optimizer: str) -> float:
     """Estimated training-state bytes of the busiest rank (first stage holds embeddings)."""
-    per_layer = spec.layer_params() / cfg.tp
+    expert_part = spec.layers * spec.experts * spec.expert_params()
+    per_layer = (spec.layer_params() - spec.experts * spec.expert_params()) / cfg.tp
     emb = (spec.padded_vocab(cfg.tp) * spec.hidden) / cfg.tp + spec.seq * spec.hidden
-    params = per_layer * spec.layers / cfg.pp + emb
+    params = per_layer * spec.layers / cfg.pp + emb + expert_part / (cfg.tp * cfg.pp * cfg.ep)
     if cfg.pp == 1 and not spec.tied_embeddings:
         params += emb
     return params * state_bytes_per_param(optimizer, cfg.dp)
@@ -180,7 +220,9 @@ def choose_config(
 
     Preference order: use as many devices as possible; keep the previous TP and PP (then
     every surviving DP replica already holds its state); the smallest model-parallel size
-    ``tp*pp`` that fits memory (more DP, less communication); then the smaller PP.  When no
+    ``tp*pp`` that fits memory (more DP, less communication); then the smaller PP; for a
+    MoE model, the previous EP if it still divides DP, else the largest EP (fewest expert
+    bytes per rank).  When no
     layout uses all devices (a prime count, a batch that does not divide), the highest
     device indices idle and the reason says why.
     """
@@ -205,7 +247,8 @@ def choose_config(
                 rejected["memory"] = rejected.get("memory", 0) + 1
                 continue
             keeps = previous is not None and (cfg.tp, cfg.pp) == (previous.tp, previous.pp)
-            key = (-used, not keeps, cfg.tp * cfg.pp, cfg.pp, cfg.tp)
+            keeps_ep = previous is not None and cfg.ep == previous.ep
+            key = (-used, not keeps, cfg.tp * cfg.pp, cfg.pp, cfg.tp, not keeps_ep, -cfg.ep)
             if best is None or key < best[0]:
                 best = (key, cfg)
     if best is None:

@@ -15,14 +15,18 @@ Two families are described by the same fields (defaults = the original GPT-2 sty
   ``ShardedTensorFactory`` as two halves), RMSNorm, RoPE (no position-embedding tensor),
   an untied output layer, no biases; usually bf16 params (``dtype``).
 
-Mixture-of-experts would add fields (experts, router) here; nothing below assumes the MLP
-is dense except :meth:`GPTSpec.layer_params`.
+and a third family on either:
+
+* mixture of experts (``moe-tiny``, ``mixtral-8x7b``): ``experts`` > 0 makes every
+  layer's MLP megatron-core's ``MoELayer`` -- a router (``[experts, hidden]``, replicated)
+  and ``experts`` expert MLPs of ``expert_ffn`` hidden units (``topk`` of them per token),
+  sharded over the expert-parallel size of the layout (``tp1pp1dp4ep2``).
 
 Text forms (``GPTSpec.parse``): a preset name, or comma-separated ``key=value`` with
 ``layers, hidden, heads, vocab, seq`` required and optional ``ffn`` (default 4*hidden),
 ``tied=0|1``, ``groups=N``, ``glu=0|1``, ``act=gelu|silu``, ``norm=layernorm|rmsnorm``,
-``pos=learned|rope``, ``bias=0|1``, ``dtype=fp32|bf16``, ``rope_base=N``, ``swiglu=1``
-(shorthand for ``glu=1,act=silu``).  ``str(spec)`` writes the non-default fields only, so
+``pos=learned|rope``, ``bias=0|1``, ``dtype=fp32|bf16``, ``rope_base=N``,
+``experts=N``, ``topk=N``, ``expert_ffn=N`` (alias ``moe_ffn``), ``swiglu=1`` (shorthand for ``glu=1,act=silu``).  ``str(spec)`` writes the non-default fields only, so
 the GPT forms of older versions read and print unchanged.
 """
 
@@ -74,6 +78,13 @@ class GPTSpec:
     #: main params)
     dtype: str = "float32"
     rope_base: int = 10000
+    #: mixture of experts: routed experts per MoE layer (0: a dense model).  Every layer's
+    #: MLP is then megatron-core's ``MoELayer`` (router + ``SequentialMLP`` experts)
+    experts: int = 0
+    #: experts each token is routed to
+    topk: int = 2
+    #: hidden size of one expert's MLP (``moe_ffn_hidden_size``); ``None`` → ``ffn``
+    expert_ffn: int | None = None
 
     def __post_init__(self) -> None:
         for name in (*_INT_KEYS, "rope_base"):
@@ -103,6 +114,31 @@ class GPTSpec:
                 )
         for name in ("tied_embeddings", "gated", "bias"):
             object.__setattr__(self, name, bool(getattr(self, name)))
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        for name in ("experts", "topk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise UsageError(f"model spec: {name} must be a non-negative integer, got {value!r}")
+        if not self.experts:
+            if self.expert_ffn is not None:
+                raise UsageError("model spec: expert_ffn is set but experts=0 (a dense model)")
+            return
+        if self.expert_ffn is None:
+            object.__setattr__(self, "expert_ffn", self.ffn)
+        e = self.expert_ffn
+        if not isinstance(e, int) or isinstance(e, bool) or e <= 0:
+            raise UsageError(f"model spec: expert_ffn must be a positive integer, got {e!r}")
+        if not 1 <= self.topk <= self.experts:
+            raise UsageError(
+                f"model spec: topk must be between 1 and experts={self.experts}, got {self.topk}"
+            )
+        if self.bias:
+            raise UsageError(
+                "model spec: a mixture-of-experts model must have bias=0 (etcslurm describes "
+                "megatron-core MoE layers without linear biases, as Mixtral/DeepSeek/Qwen-MoE)"
+            )
 
     # ------------------------------------------------------------------ text forms
     @classmethod
@@ -116,7 +152,7 @@ class GPTSpec:
             raise UsageError(
                 f"unknown model {text!r}; use one of {', '.join(PRESETS)} or "
                 "'layers=..,hidden=..,heads=..,vocab=..,seq=..[,ffn=..][,tied=0|1][,groups=..]"
-                "[,swiglu=1][,norm=rmsnorm][,pos=rope][,bias=0][,dtype=bf16]'"
+                "[,swiglu=1][,norm=rmsnorm][,pos=rope][,bias=0][,dtype=bf16][,experts=..,topk=..]'"
             )
         kw: dict[str, object] = {}
         for part in text.split(","):
@@ -173,6 +209,10 @@ class GPTSpec:
             extra.append(f"dtype={self.dtype}")
         if self.rope_base != 10000:
             extra.append(f"rope_base={self.rope_base}")
+        if self.experts:
+            extra.append(f"experts={self.experts},topk={self.topk}")
+            if self.expert_ffn != self.ffn:
+                extra.append(f"expert_ffn={self.expert_ffn}")
         return ",".join([text, *extra])
 
     def to_json(self) -> dict:
@@ -212,6 +252,16 @@ class GPTSpec:
         return 2 * self.ffn if self.gated else self.ffn
 
     @property
+    def moe(self) -> bool:
+        """True for a mixture-of-experts model."""
+        return self.experts > 0
+
+    @property
+    def expert_fc1_rows(self) -> int:
+        """Rows of one expert's ``linear_fc1.weight`` (both branches when gated)."""
+        return 2 * int(self.expert_ffn or 0) if self.gated else int(self.expert_ffn or 0)
+
+    @property
     def norm_has_bias(self) -> bool:
         return self.norm == "LayerNorm"
 
@@ -222,18 +272,40 @@ class GPTSpec:
             out.append(f"heads={self.heads} is not divisible by tp={tp}")
         if self.groups % tp:
             out.append(f"query_groups={self.groups} is not divisible by tp={tp}")
-        if self.ffn % tp:
+        if self.ffn % tp and not self.moe:
             out.append(f"ffn={self.ffn} is not divisible by tp={tp}")
+        if self.moe and int(self.expert_ffn or 0) % tp:
+            out.append(f"expert_ffn={self.expert_ffn} is not divisible by tp={tp}")
         return out
+
+    def ep_problems(self, ep: int) -> list[str]:
+        """What makes expert-parallel size ``ep`` unusable for this model."""
+        if ep == 1:
+            return []
+        if not self.moe:
+            return [f"ep={ep} needs a mixture-of-experts model (this one has experts=0)"]
+        if self.experts % ep:
+            return [f"experts={self.experts} is not divisible by ep={ep}"]
+        return []
 
     def layer_params(self) -> int:
         """Parameters of one transformer layer (norms, QKV, proj, MLP, biases if any)."""
-        h, f, b = self.hidden, self.ffn, int(self.bias)
+        h, b = self.hidden, int(self.bias)
         q = self.heads * self.kv_channels
         norms = 2 * h * (2 if self.norm_has_bias else 1)
         attn = self.qkv_rows * h + b * self.qkv_rows + q * h + b * h
-        mlp = self.fc1_rows * h + b * self.fc1_rows + h * f + b * h
-        return norms + attn + mlp
+        return norms + attn + self.mlp_params()
+
+    def mlp_params(self) -> int:
+        """Parameters of one layer's MLP (dense), or of its router and every expert."""
+        h, f, b = self.hidden, self.ffn, int(self.bias)
+        if self.moe:
+            return self.experts * h + self.experts * self.expert_params()
+        return self.fc1_rows * h + b * self.fc1_rows + h * f + b * h
+
+    def expert_params(self) -> int:
+        """Parameters of one expert of one layer (0 for a dense model)."""
+        return self.expert_fc1_rows * self.hidden + self.hidden * int(self.expert_ffn or 0)
 
     def num_params(self, tp: int = 1) -> int:
         """Total parameters (with the vocabulary padded for ``tp``), counting a tied
@@ -257,6 +329,8 @@ _TEXT_KEYS: dict[str, tuple[str, type]] = {
     "act": ("activation", str), "activation": ("activation", str), "norm": ("norm", str),
     "pos": ("position", str), "position": ("position", str), "bias": ("bias", bool),
     "dtype": ("dtype", str), "rope_base": ("rope_base", int),
+    "experts": ("experts", int), "topk": ("topk", int), "expert_ffn": ("expert_ffn", int),
+    "moe_ffn": ("expert_ffn", int),
 }
 
 
@@ -283,6 +357,13 @@ PRESETS: dict[str, GPTSpec] = {
         # published shapes (Meta Llama 3): 8.03B and 70.6B parameters
         _preset("llama3-8b", layers=32, hidden=4096, heads=32, query_groups=8, ffn=14336,
                 vocab=128256, seq=8192, dtype="bfloat16", rope_base=500000, **LLAMA),
+        # mixture of experts, CPU-sized: 4 experts (EP 1, 2 or 4), top-2, Mixtral-style
+        _preset("moe-tiny", layers=2, hidden=64, heads=4, query_groups=2, ffn=128,
+                vocab=1000, seq=64, experts=4, topk=2, **LLAMA),
+        # published shapes (Mistral AI Mixtral 8x7B): 46.7B parameters, 8 experts, top-2
+        _preset("mixtral-8x7b", layers=32, hidden=4096, heads=32, query_groups=8,
+                ffn=14336, vocab=32000, seq=4096, dtype="bfloat16", rope_base=1000000,
+                experts=8, topk=2, **LLAMA),
         _preset("llama3-70b", layers=80, hidden=8192, heads=64, query_groups=8, ffn=28672,
                 vocab=128256, seq=8192, dtype="bfloat16", rope_base=500000, **LLAMA),
     )

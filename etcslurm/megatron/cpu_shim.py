@@ -162,10 +162,39 @@ def install() -> list[str]:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     PATCHED.append("megatron.core.tensor_parallel.random._get/_set_cuda_rng_state")
 
+    _redirect_in_backward()
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
     PATCHED.append("TorchFunctionMode cuda->cpu (main thread)")
     return PATCHED
+
+
+def _redirect_in_backward() -> None:
+    """Run every custom autograd function's backward under the mode.
+
+    Why: the mode is off while it handles ``torch.autograd.backward`` (torch pops a mode
+    while its handler runs), so megatron's autograd functions -- e.g. the MoE
+    dispatcher's all-gather, whose backward allocates on ``torch.cuda.current_device()``
+    -- would ask for a CUDA device.  megatron-core on CPU must also run without
+    Transformer Engine, whose ``te_general_gemm`` the MoE router names at import.
+    """
+    from torch.autograd import function
+
+    original = function.BackwardCFunction.apply
+
+    def apply(self: Any, *args: Any) -> Any:
+        if torch._C._len_torch_function_stack():
+            return original(self, *args)
+        with CudaToCpuMode():
+            return original(self, *args)
+
+    function.BackwardCFunction.apply = apply  # type: ignore[method-assign]
+    PATCHED.append("torch.autograd.function.BackwardCFunction.apply (under the mode)")
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        PATCHED.append("megatron.core.transformer.moe.moe_utils.te_general_gemm = None")
 
 
 def install_if_needed() -> bool:

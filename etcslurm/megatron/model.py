@@ -155,6 +155,41 @@ def transformer_config(spec: GPTSpec, config: ParallelConfig, dtype: torch.dtype
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        **moe_settings(spec, config),
+    )
+
+
+def layer_spec(spec: GPTSpec) -> Any:
+    """megatron-core's local (no Transformer Engine) layer spec for ``spec``: the MLP is a
+    ``MoELayer`` of ``SequentialMLP`` experts for a MoE model."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(
+        normalization=spec.norm, num_experts=spec.experts or None, moe_grouped_gemm=False
+    )
+
+
+#: the load-balancing loss weight of a MoE model (megatron's ``moe_aux_loss_coeff``)
+MOE_AUX_LOSS_COEFF = 1e-2
+
+
+def moe_settings(spec: GPTSpec, config: ParallelConfig) -> dict[str, Any]:
+    """TransformerConfig fields of a mixture-of-experts model (none for a dense one).
+
+    Why these: the all-gather token dispatcher and one ``SequentialMLP`` per layer
+    (``moe_grouped_gemm=False``) are the MoE path megatron-core runs without Transformer
+    Engine, so on CPU/gloo too; expert tensor parallelism follows TP (megatron's default).
+    """
+    if not spec.moe:
+        return {}
+    return dict(
+        num_moe_experts=spec.experts,
+        moe_router_topk=spec.topk,
+        moe_ffn_hidden_size=spec.expert_ffn,
+        expert_model_parallel_size=config.ep,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        moe_aux_loss_coeff=MOE_AUX_LOSS_COEFF,
     )
 
 
@@ -183,15 +218,13 @@ def build_gpt(
     cpu_shim.install_if_needed()
     hyper = hyper or TrainHyper()
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    if parallel_state.get_tensor_model_parallel_world_size() != config.tp or (
-        parallel_state.get_pipeline_model_parallel_world_size() != config.pp
+    if (
+        parallel_state.get_tensor_model_parallel_world_size() != config.tp
+        or parallel_state.get_pipeline_model_parallel_world_size() != config.pp
+        or parallel_state.get_expert_model_parallel_world_size() != config.ep
     ):
         raise UsageError(f"parallel_state is not initialised for {config}")
     t0 = time.perf_counter()
@@ -200,7 +233,7 @@ def build_gpt(
     tcfg = transformer_config(spec, config, dtype)
     gpt = GPTModel(
         config=tcfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.norm),
+        transformer_layer_spec=layer_spec(spec),
         vocab_size=padded_vocab(spec, config.tp),
         max_sequence_length=spec.seq,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -214,6 +247,36 @@ def build_gpt(
         # whole module (Float16Module), so one DDP buffer holds every param
         gpt = gpt.to(dtype)
     gpt.to(cpu_shim.device())
+    t_gpt = time.perf_counter()
+    trainee = wrap_gpt(gpt, tcfg, spec, config, optimizer, seed, dtype, hyper)
+    trainee.timings["build_model_s"] = t_gpt - t0 + trainee.timings.pop("wrap_model_s")
+    return trainee
+
+
+def wrap_gpt(
+    gpt: torch.nn.Module,
+    tcfg: Any,
+    spec: GPTSpec,
+    config: ParallelConfig,
+    optimizer: str,
+    seed: int,
+    dtype: torch.dtype,
+    hyper: TrainHyper,
+    init_state: bool = True,
+) -> Trainee:
+    """DDP wrapper, megatron optimizer (state initialised unless ``init_state`` is false:
+    the caller hands it a state) and scheduler around a built ``GPTModel`` (``tcfg``: its
+    TransformerConfig), in the current ``parallel_state``.
+
+    Why a function of its own: a data-parallel-only resize keeps the ``GPTModel`` (no
+    parameter changes place) and only needs these rebuilt for the new data-parallel
+    groups (:mod:`etcslurm.megatron.regroup`); :func:`build_gpt` calls it after building.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t0 = time.perf_counter()
     distributed = optimizer == "distributed"
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -260,9 +323,10 @@ def build_gpt(
         wd_incr_style="constant",
     )
     trainee = Trainee(model, opt, scheduler, spec, config, optimizer, seed, dtype, hyper)
-    init_optimizer_state(trainee)
+    if init_state:
+        init_optimizer_state(trainee)
     t_end = time.perf_counter()
-    trainee.timings.update(build_model_s=t_model - t0, build_optimizer_s=t_end - t_model)
+    trainee.timings.update(wrap_model_s=t_model - t0, build_optimizer_s=t_end - t_model)
     return trainee
 
 

@@ -71,6 +71,7 @@ def init_model_parallel(config: ParallelConfig, timeout_s: float = DEFAULT_TIMEO
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tp,
         pipeline_model_parallel_size=config.pp,
+        expert_model_parallel_size=config.ep,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
         # the default backend is gloo already: megatron's extra gloo groups would only
         # double the groups (and threads) per rebuild

@@ -89,6 +89,13 @@ class MigrationJob:
     plan: Callable[[Migration], MigrationPlan]
     old: tuple[ParallelConfig, int] | None = None
     expected: Callable[[ParallelConfig, int], Iterable[Piece]] | None = None
+    #: this participant's old model, to be kept (re-wrapped for the new groups) instead
+    #: of built anew: a data-parallel-only change that moves none of its parameters
+    keep: Any = None
+    #: every participant knows from the record that no byte moves (a DP shrink with the
+    #: replicated optimizer): no exchange group, no plan, no exchange -- each new member
+    #: keeps its model, and the commit barrier is the only collective
+    nothing_moves: bool = False
 
 
 @dataclass
@@ -99,6 +106,7 @@ class MigrationResult:
     plan: MigrationPlan
     stats: TransferStats
     seconds: dict[str, list[float]] = field(default_factory=dict)  # per phase (repeats)
+    kept: bool = False  # the old model was kept (re-wrapped), not built anew
 
     def phase(self, name: str) -> float:
         """Seconds of ``name`` (summed over repeats)."""
@@ -124,7 +132,9 @@ class Migration:
     """Runs the phases of one :class:`MigrationJob` in order (see the module docstring).
 
     ``form_and_build(generation, layout, rank)`` starts the new world and returns the
-    built model; ``store`` is the long-lived store exchange groups form on.
+    built model; ``regroup(generation, layout, rank, old)`` starts it and returns
+    ``old``'s model re-wrapped for it (used when ``job.keep`` is set); ``store`` is the
+    long-lived store exchange groups form on.
     ``arena``: the staging arena kept from the previous migration (resident memory).
     """
 
@@ -142,10 +152,12 @@ class Migration:
         progress: Callable[[dict[str, Any]], None] | None = None,
         direct_min: int = DIRECT_MIN_BYTES,
         clock: PhaseClock | None = None,
+        regroup: Callable[[int, ParallelConfig, int, Any], Any] | None = None,
     ) -> None:
         self.job = job
         self.store = store
         self.form_and_build = form_and_build
+        self.regroup = regroup
         self.staging_cap = staging_cap
         self.timeout = timeout
         self.group_timeout = group_timeout
@@ -174,11 +186,20 @@ class Migration:
         ``before_exchange`` is called once the plan is prepared (benchmarks measure the
         transport's floor there)."""
         job, clock = self.job, self.clock
+        if job.nothing_moves and job.new_rank is not None and (
+                job.keep is None or self.regroup is None):
+            raise MigrationError(
+                f"generation {job.generation}: nothing moves, but rank {job.new_rank} "
+                "cannot keep its model")
         with clock.phase("build", self), _peer_phase("build"):
             if job.new_rank is None:
                 groups.teardown()  # a leaver (or idle): it only needs the exchange group
+            elif job.keep is not None and self.regroup is not None:
+                self.trainee = self.regroup(job.generation, job.layout, job.new_rank, job.keep)
             else:
                 self.trainee = self.form_and_build(job.generation, job.layout, job.new_rank)
+        if job.nothing_moves:
+            return self._commit_kept()
         self.needed = _local_state(self.trainee)
         try:
             with clock.phase("group", self), _peer_phase("group"):
@@ -204,6 +225,17 @@ class Migration:
         assert stats is not None and self.plan is not None
         return MigrationResult(self.trainee, self.plan, stats, dict(clock.seconds))
 
+    def _commit_kept(self) -> MigrationResult:
+        """Nothing moves: every new member kept its model (the same parameters and Adam
+        state as before), so the commit is all that is left."""
+        job = self.job
+        with self.clock.phase("commit", self), _peer_phase("commit"):
+            self._commit()
+        self.plan = MigrationPlan(assignment=[], messages=[], local={}, missing={}, idle=[],
+                                  stats={"moved_bytes": 0})
+        return MigrationResult(self.trainee, self.plan, TransferStats(device=job.me),
+                               dict(self.clock.seconds))
+
     # ------------------------------------------------------------------ phases
     def _prepare(self) -> None:
         job, plan = self.job, self.plan
@@ -214,6 +246,9 @@ class Migration:
             new = (job.layout, job.new_rank)
             check_holdings([p for p, _ in self.needed], job.expected(*new), "new", new)
         self.local = list(plan.local.get(job.me, [])) if job.new_rank is not None else []
+        kept = _kept_pieces(job.held, self.needed) if job.keep is not None else []
+        if kept:  # a kept model's own tensors: copying them onto themselves is a no-op
+            self.local = [p for p in self.local if not _within(p, kept)]
         if self.fill:
             from etcslurm.megatron.sharded_meta import LocalState, zero_fill
 
@@ -222,7 +257,7 @@ class Migration:
         self.arena = staging_arena(plan.messages, job.me, self.arena, direct_min=self.direct_min,
                                    held=job.held, needed=self.needed)
         # a plan that misses part of the new model is a bug, not a failure to fall back from
-        check_fills(self.needed, [*self.local, *self.fill], plan.messages, job.me,
+        check_fills(self.needed, [*self.local, *self.fill, *kept], plan.messages, job.me,
                     f"generation {job.generation}, rank {job.new_rank}")
 
     def _exchange(self) -> TransferStats:
@@ -257,6 +292,29 @@ class Migration:
         if self.job.scalars is not None:
             finish_restore(self.trainee, self.job.scalars)
         dist.barrier()  # past it, every new member is complete
+
+
+def _kept_pieces(held: list[tuple[Piece, torch.Tensor]],
+                 needed: list[tuple[Piece, torch.Tensor]]) -> list[Piece]:
+    """The pieces of the new model that are the old model's own memory (a kept model):
+    the same piece, viewed through the same storage, offset, shape and strides."""
+    by_piece = {p: v for p, v in held}
+    same = []
+    for piece, view in needed:
+        old = by_piece.get(piece)
+        if (old is not None and old.data_ptr() == view.data_ptr()
+                and old.shape == view.shape and old.stride() == view.stride()
+                and old.dtype == view.dtype):
+            same.append(piece)
+    return same
+
+
+def _within(piece: Piece, pieces: list[Piece]) -> bool:
+    """Whether ``piece`` lies inside one of ``pieces`` (same tensor, box contained)."""
+    return any(
+        p.key == piece.key and p.dtype == piece.dtype and len(p.box) == len(piece.box)
+        and all(a0 <= b0 and b1 <= a1 for (a0, a1), (b0, b1) in zip(p.box, piece.box, strict=True))
+        for p in pieces)
 
 
 def _local_state(trainee: Any) -> list[tuple[Piece, torch.Tensor]]:

@@ -54,30 +54,41 @@ def first(ctx: Context, state: State) -> State:
     coord, settings = ctx.coord, ctx.settings
     base = -1 if state.record is None else state.record.generation
     deadline = time.monotonic() + ctx.options.join_timeout
+    # Only the leader counts the members (O(N), every POLL_S); the others watch the
+    # leader alone (O(1)) and block on the coordinator's news, so N waiting workers cost
+    # O(N) per round, not O(N^2), and all of them wake when generation 0 is published.
+    live: dict[str, Any] = {}
+    defer_to: str | None = None
+    wait_s = 0.0
     while True:
-        current = coord.current_generation()
-        if current is not None and current.generation > base:
+        if coord.watch(base, timeout=wait_s).generation > base:
             break
-        # only workers not yet in any world: after a whole-run checkpoint the previous
-        # job's workers may still be alive (leaving) while the restarted ones register
-        live = {w: i for w, i in coord.live_members().items() if i["state"] == JOINING}
-        if coord.is_leader() and len(live) >= settings.initial_workers:
-            workers = list(live)[: settings.initial_workers]
-            nodes = {w: str(i.get("node") or "?") for w, i in live.items()}
-            record = replace(first_generation(layout_settings(ctx), workers, nodes),
-                             generation=base + 1)
-            resume = checkpointing.pointer(ctx.options)
-            if resume:
-                record = replace(record, resume=resume["path"], step=int(resume.get("step", 0)),
-                                 reason=f"resume from {resume['path']}; {record.reason}")
-            if coord.publish_generation(record):
-                continue
+        if defer_to is None or not coord.alive(defer_to):
+            # only workers not yet in any world: after a whole-run checkpoint the previous
+            # job's workers may still be alive (leaving) while the restarted ones register
+            live = {w: i for w, i in coord.live_members().items() if i["state"] == JOINING}
+            leader = coord.leader()
+            defer_to = None if leader in (None, ctx.worker_id) else leader
+            if leader == ctx.worker_id and len(live) >= settings.initial_workers:
+                workers = list(live)[: settings.initial_workers]
+                nodes = {w: str(i.get("node") or "?") for w, i in live.items()}
+                record = replace(first_generation(layout_settings(ctx), workers, nodes),
+                                 generation=base + 1)
+                resume = checkpointing.pointer(ctx.options)
+                if resume:
+                    record = replace(record, resume=resume["path"],
+                                     step=int(resume.get("step", 0)),
+                                     reason=f"resume from {resume['path']}; {record.reason}")
+                if coord.publish_generation(record):
+                    wait_s = 0.0
+                    continue
         if time.monotonic() > deadline:
             raise WaitTimeout(
                 f"run {ctx.options.run_id}: only {len(live)} of {settings.initial_workers} "
                 f"initial workers registered within {ctx.options.join_timeout:g} s"
             )
-        time.sleep(POLL_S)
+        wait_s = POLL_S if defer_to is None else 10 * POLL_S
+    current = coord.wait_generation(after=base, timeout=max(1.0, deadline - time.monotonic()))
     if ctx.worker_id in current.union:
         return State(Phase.FOLLOW, record=current)
     return State(Phase.WAIT, after=current.generation)
@@ -96,10 +107,11 @@ def wait(ctx: Context, state: State) -> State:
             )
         if ctx.boundary.signalled:
             return State(Phase.LEFT, reason="signalled while waiting to join")
-        try:
-            record = ctx.coord.wait_generation(after=after, timeout=min(left, 1.0))
-        except WaitTimeout:
+        # O(1) while nothing happens (blocked on the coordinator's news, the signal
+        # checked every second); the record is read once, when there is a new one
+        if ctx.coord.watch(after, timeout=min(left, 1.0)).generation <= after:
             continue
+        record = ctx.coord.wait_generation(after=after, timeout=max(left, 1.0))
         after = record.generation
         if record.kind in ("stop", "end"):
             return State(Phase.LEFT, reason=f"the run ended: {record.reason}")
@@ -175,13 +187,19 @@ def resize(ctx: Context, state: State) -> State:
     if ctx.record is not None and ctx.rank is not None:
         old = (ParallelConfig.parse(ctx.record.to_layout), ctx.rank)
     layout = ParallelConfig.parse(record.to_layout)
+    keep = None  # a DP-only change that moves none of this rank's parameters: keep them
+    if old is not None and new_rank is not None and ctx.world.can_keep(
+            ctx.trainee, old, (layout, new_rank)):
+        keep = ctx.trainee
     job = MigrationJob(
         generation=gen, me=me, members=[ids[w] for w in record.union], new_rank=new_rank,
         layout=layout, held=held,
         scalars=dict(record.scalars) if new_rank is not None else None,
         plan=lambda m: _live_plan(ctx, record, m), old=old,
         expected=ctx.world.expected_pieces if ctx.world.analytic else None,
+        keep=keep, nothing_moves=_nothing_moves(ctx, record),
     )
+    t_job = time.perf_counter()
     if new_rank is not None:
         coord.emit("migration.rebuild", gen=gen, worker=ctx.worker_id, rank=new_rank)
     progress = _progress_emitter(ctx, gen, new_rank)
@@ -212,10 +230,11 @@ def resize(ctx: Context, state: State) -> State:
         local_bytes=int(plan_stats.get("local_bytes", 0)),
         sent_bytes=stats.bytes_sent, received_bytes=stats.bytes_received,
     )
-    phases = {name: result.phase(name) for name in result.seconds}
+    phases = {"read": t_job - t0, **{name: result.phase(name) for name in result.seconds}}
     if ctx.change_started is not None:
         report.pause_seconds = time.perf_counter() - ctx.change_started
         phases = {"decide": max(0.0, t0 - ctx.change_started), **phases}
+    phases["kept"] = float(result.kept)
     ctx.reports.append(report)
     if new_rank == 0:
         coord.emit("migration.done", gen=gen, seconds=report.seconds,
@@ -238,18 +257,24 @@ def handed_over(ctx: Context, state: State) -> State:
     coord, opts = ctx.coord, ctx.options
     limit = opts.dead_after * 2 + opts.collective_timeout * 2 + 30
     end = time.monotonic() + limit
-    while time.monotonic() < end:
-        if coord.committed_generation() >= record.generation:
+    gen = record.generation
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            log.warning("generation %s was not confirmed within %.0f s; leaving anyway",
+                        gen, limit)
             break
-        latest = coord.current_generation()
-        if latest is not None and latest.generation > record.generation:
-            if ctx.worker_id in latest.union and latest.kind == "resize":
-                return State(Phase.FOLLOW, record=latest)  # the change failed: again
-            break  # planned without this worker (from the new state): done here
-        time.sleep(0.1)
-    else:
-        log.warning("generation %s was not confirmed within %.0f s; leaving anyway",
-                    record.generation, limit)
+        # blocked on the coordinator's news (O(1)); woken by the commit or a new record
+        head = coord.watch(gen, timeout=left, committed=gen - 1)
+        if head.committed >= gen:
+            break
+        if head.generation > gen:
+            latest = coord.current_generation()  # read once, only when there is one
+            if latest is not None and latest.generation > gen:
+                if ctx.worker_id in latest.union and latest.kind == "resize":
+                    return State(Phase.FOLLOW, record=latest)  # the change failed: again
+                break  # planned without this worker (from the new state): done here
+            time.sleep(POLL_S)  # its number ran ahead of the record: look again
     ctx.forget_holdings()
     ctx.trainee = None
     if ctx.worker_id in record.leaving:
@@ -283,6 +308,22 @@ def layout_settings(ctx: Context) -> LayoutSettings:
     return LayoutSettings(spec=s.model, optimizer=s.optimizer, global_batch=s.global_batch,
                           micro_batch=s.micro_batch, gpus_per_node=s.gpus_per_node,
                           staging_bytes=s.staging_bytes)
+
+
+def _nothing_moves(ctx: Context, record: GenerationRecord) -> bool:
+    """Whether every participant can tell from ``record`` alone that no byte moves: the
+    same TP, PP and EP, no participant without old state, the replicated optimizer, and
+    the decider's plan of etcslurm's own model moves nothing.  Then each new member keeps
+    its model (a DP shrink) and nobody forms an exchange group or replays the plan."""
+    if not ctx.world.analytic or ctx.settings.optimizer != "adam" or not record.from_layout:
+        return False
+    a, b = ParallelConfig.parse(record.from_layout), ParallelConfig.parse(record.to_layout)
+    if (a.tp, a.pp, getattr(a, "ep", 1)) != (b.tp, b.pp, getattr(b, "ep", 1)):
+        return False
+    if any(pid.startswith("join:") for pid in record.planner_ids.values()):
+        return False
+    stats = record.plan_stats or {}
+    return stats.get("moved_bytes") == 0 and not stats.get("missing_bytes")
 
 
 def _live_plan(ctx: Context, record: GenerationRecord, migration: Any) -> MigrationPlan:

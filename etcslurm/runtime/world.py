@@ -10,7 +10,9 @@ coordinator, the multi-process tests with this one.
 
 from __future__ import annotations
 
+import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,8 @@ from etcslurm.groups import lifecycle as groups
 from etcslurm.hooks import NO_HOOKS, Hooks
 from etcslurm.runtime.config import Builder, RunSettings, WorkerOptions
 from etcslurm.runtime.migration import Migration, MigrationJob, MigrationResult
+
+log = logging.getLogger("etcslurm.runtime")
 
 
 class World:
@@ -48,24 +52,101 @@ class World:
 
         self.analytic = build is default_builder
         self._periodic: Any = None  # the async checkpoint writer of periodic saves
+        #: seconds of the last world formation and build, by part (world, groups, build)
+        #: and whether the model was kept (1.0) or built (0.0)
+        self.last_build: dict[str, float] = {}
+        #: the trainee this process built last (weakly: a leaver's model must be freed)
+        #: and megatron's groups it was built in
+        self._groups: tuple[weakref.ref[Any], Any] | None = None
 
     # ------------------------------------------------------------------ worlds
-    def form_and_build(self, generation: int, layout: ParallelConfig, rank: int) -> Any:
-        """Start ``generation``'s world as ``rank`` and build the model of ``layout``."""
-        from etcslurm.megatron.parallel import init_parallel
+    def _form(self, generation: int, layout: ParallelConfig, rank: int) -> None:
+        """Start ``generation``'s world as ``rank`` and megatron's groups for ``layout``
+        (timed apart: ``last_build["world"]`` and ``["groups"]``)."""
+        from etcslurm.megatron import cpu_shim
+        from etcslurm.megatron.parallel import init_model_parallel, init_world
 
         self.hooks.before_new_world(generation)
+        cpu_shim.install_if_needed()
         t0 = time.perf_counter()
-        init_parallel(layout, rank, layout.world_size, self.store, generation=f"{generation}t",
-                      timeout_s=self.options.collective_timeout)
+        init_world(rank, layout.world_size, self.store, f"{generation}t",
+                   timeout_s=self.options.collective_timeout)
+        t1 = time.perf_counter()
+        init_model_parallel(layout, self.options.collective_timeout)
+        self.last_build = {"world": t1 - t0, "groups": time.perf_counter() - t1}
+
+    def _built(self, trainee: Any, t0: float) -> Any:
+        """Bookkeeping after a build: timings, and the groups ``trainee`` was built in (a
+        later DP-only change maps its modules' group references from them, even after
+        a failure tore this world down)."""
+        from etcslurm.megatron.regroup import snapshot
+
+        self.last_build["build"] = time.perf_counter() - t0
+        self.build_seconds = max(self.build_seconds, sum(self.last_build.values()))
+        try:
+            self._groups = (weakref.ref(trainee), snapshot())
+        except TypeError:  # a user's builder may return a tuple: never kept
+            self._groups = None
+        return trainee
+
+    def form_and_build(self, generation: int, layout: ParallelConfig, rank: int) -> Any:
+        """Start ``generation``'s world as ``rank`` and build the model of ``layout``."""
+        self._form(generation, layout, rank)
+        t0 = time.perf_counter()
         trainee = self.build(self.settings.model, layout, self.settings)
         # torch Adam creates its state lazily at the first step; a migration (or a
         # checkpoint load) writes into it, so a user's builder need not do this itself
         from etcslurm.megatron.model import init_optimizer_state
 
         init_optimizer_state(trainee)
-        self.build_seconds = max(self.build_seconds, time.perf_counter() - t0)
-        return trainee
+        self.last_build["kept"] = 0.0
+        return self._built(trainee, t0)
+
+    def can_keep(self, trainee: Any, old: tuple[ParallelConfig, int],
+                 new: tuple[ParallelConfig, int]) -> bool:
+        """Whether ``trainee`` (this world's model, ``old`` = its layout and rank) can be
+        kept as rank ``new``: a data-parallel-only change that moves none of its
+        parameters, with the replicated optimizer (:func:`etcslurm.megatron.regroup.can_keep`),
+        and a model etcslurm's own builder made (a user's model is rebuilt)."""
+        from etcslurm.megatron.model import Trainee
+        from etcslurm.megatron.regroup import can_keep
+
+        known = self._groups is not None and self._groups[0]() is trainee
+        return (known and isinstance(trainee, Trainee)
+                and can_keep(old, new, trainee.optimizer_kind))
+
+    def regroup(self, generation: int, layout: ParallelConfig, rank: int, old: Any,
+                required: bool = False) -> Any:
+        """Start ``generation``'s world and keep ``old``'s model in it (new groups, DDP,
+        optimizer; same parameters and Adam state: :mod:`etcslurm.megatron.regroup`).
+
+        A model that turns out not to be keepable is built anew, unless ``required``
+        (every participant skips the exchange because nothing moves: a rebuilt model
+        would stay empty), which raises :class:`MigrationError`.
+        """
+        from etcslurm.megatron.regroup import RegroupError, rewrap
+
+        assert self._groups is not None and self._groups[0]() is old
+        before = self._groups[1]
+        self._form(generation, layout, rank)
+        t0 = time.perf_counter()
+        try:
+            trainee = rewrap(old, before, layout)
+        except RegroupError as exc:
+            if required:
+                raise
+            log.warning("generation %s: model not kept (%s); building it anew", generation, exc)
+            return self._build_after_form(layout, t0)
+        self.last_build["kept"] = 1.0
+        return self._built(trainee, t0)
+
+    def _build_after_form(self, layout: ParallelConfig, t0: float) -> Any:
+        from etcslurm.megatron.model import init_optimizer_state
+
+        trainee = self.build(self.settings.model, layout, self.settings)
+        init_optimizer_state(trainee)
+        self.last_build["kept"] = 0.0
+        return self._built(trainee, t0)
 
     def abort(self) -> None:
         """Drop every process group at once (a peer died, or the worker leaves)."""
@@ -112,17 +193,32 @@ class World:
 
     def migrate(self, job: MigrationJob,
                 progress: Callable[[dict[str, Any]], None] | None = None) -> MigrationResult:
-        """Run the migration sequence for ``job`` (the arena is kept for the next one)."""
+        """Run the migration sequence for ``job`` (the arena is kept for the next one).
+
+        ``job.keep``: this participant's model, kept through :meth:`regroup` (a DP-only
+        change); the result's ``seconds`` then split ``build`` into ``world`` (the
+        default group), ``groups`` (megatron's) and ``build`` (model or re-wrap)."""
+        self.last_build = {}
+
+        def regroup(generation: int, layout: ParallelConfig, rank: int, old: Any) -> Any:
+            return self.regroup(generation, layout, rank, old, required=job.nothing_moves)
+
         migration = Migration(
-            job, store=self.store, form_and_build=self.form_and_build,
+            job, store=self.store, form_and_build=self.form_and_build, regroup=regroup,
             staging_cap=self.settings.staging_bytes, timeout=self.options.collective_timeout,
             group_timeout=self.options.collective_timeout + 2 * self.build_seconds,
             arena=self.arena, hooks=self.hooks, progress=progress,
         )
         try:
-            return migration.run()
+            result = migration.run()
         finally:
             self.arena = migration.arena
+        if self.last_build and "build" in result.seconds:
+            result.seconds["build"] = [self.last_build.get("build", 0.0)]
+            result.seconds["world"] = [self.last_build.get("world", 0.0)]
+            result.seconds["groups"] = [self.last_build.get("groups", 0.0)]
+        result.kept = bool(self.last_build.get("kept"))
+        return result
 
     def data_position(self) -> tuple[int, int] | None:
         """(DP size, DP rank) when this rank logs the samples its replica trains (tensor

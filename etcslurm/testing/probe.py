@@ -5,6 +5,11 @@ cluster: it writes what it sees (``SlurmEnvironment``, whether the coordinator a
 to ``DIR/<worker_id>.json``, traps the leave signals with the template's configuration
 and writes each :class:`SignalEvent` to ``DIR/<worker_id>.signal.json`` the moment it
 arrives, then exits ``--linger`` seconds after the first signal (or after ``--duration``).
+
+``python -m etcslurm.testing.probe --store-spec FILE`` instead stores the run spec in
+``FILE`` (``RunSettings.to_json()``) in the run's coordinator (``ETCSLURM_REDIS_URL``,
+``ETCSLURM_RUN``) and exits: a template ``setup_cmd`` for runs whose coordinator the
+job itself starts (the Slurm tests of the replicated coordinator).
 """
 
 from __future__ import annotations
@@ -90,15 +95,37 @@ def submitit_until_signal(timeout: float = 300.0) -> dict[str, Any]:
     raise RuntimeError("Submitit's handler did not take over")
 
 
+def store_spec(path: str) -> None:
+    """Store the run spec in ``path`` in the coordinator the job's environment names."""
+    from etcslurm.coord.client import connect
+    from etcslurm.coord.coordinator import Coordinator
+
+    env = SlurmEnvironment.from_env()
+    if not env.redis_url or not env.run_id:
+        raise SystemExit("etcslurm probe: --store-spec needs ETCSLURM_REDIS_URL and ETCSLURM_RUN")
+    client = connect(env.redis_url, retry_deadline=60)
+    try:
+        Coordinator(client, env.run_id).ensure_spec(json.loads(Path(path).read_text()))
+    finally:
+        client.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m etcslurm.testing.probe")
-    p.add_argument("--out", required=True, help="directory for the JSON reports")
+    p.add_argument("--out", help="directory for the JSON reports")
+    p.add_argument("--store-spec", metavar="FILE",
+                   help="store this run spec (JSON) in the job's coordinator and exit")
     p.add_argument("--duration", type=float, default=600, help="exit after this many seconds")
     p.add_argument("--linger", type=float, default=1.0, help="seconds to stay after a signal")
     p.add_argument("--requeue-on-signal", action="store_true",
                    help="on a signal, requeue the job (the whole-run fallback) before exiting;"
                    " a restarted job (SLURM_RESTART_COUNT > 0) only reports and exits")
     args = p.parse_args(argv)
+    if args.store_spec:
+        store_spec(args.store_spec)
+        return 0
+    if not args.out:
+        p.error("--out is required")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = SlurmEnvironment.from_env()
