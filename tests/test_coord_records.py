@@ -14,7 +14,6 @@ from etcslurm.coord.records import (
     Assignment,
     ChangeRequest,
     GenerationRecord,
-    _Record,
     event_data,
     field_summary,
     pack_ids,
@@ -74,8 +73,8 @@ def test_generation_record_round_trips_through_json() -> None:
     assert GenerationRecord.from_json(doc) == rec
     assert rec.rank_of("w1") == 0 and rec.rank_of("w2") is None
     assert rec.workers_by_rank() == ["w1"]
-    # version 1 (every row spelled out) is still read
-    full = {**_Record.to_json(rec), "version": 1}
+    # the full form (version 1: every row spelled out) is what tools read, and still read
+    full = rec.to_dict()
     assert full["assignment"][0] == {"rank": 0, "worker": "w1", "node": "n1", "tp": 0,
                                      "pp": 0, "dp": 0}
     assert GenerationRecord.from_json(full) == rec

@@ -51,6 +51,24 @@ def test_a_kept_piece_is_one_the_new_model_views_through_the_same_memory() -> No
     assert not _within(Piece("b", ((2, 4),), "float32"), kept)
 
 
+def test_a_model_built_anew_where_nothing_moves_is_filled_from_its_own_old_tensors() -> None:
+    """The fallback of a change in which nothing moves (a model that cannot be kept):
+    each needed piece is copied from the same held piece, shared memory skipped; a
+    piece this rank does not hold is refused, naming it."""
+    import torch
+
+    from etcslurm.errors import MigrationError
+    from etcslurm.runtime.migration import _copy_own
+
+    a, b = Piece("a", ((0, 4),), "float32"), Piece("b", ((0, 4),), "float32")
+    old_a, old_b = torch.arange(4.0), torch.arange(4.0, 8.0)
+    new_a = torch.zeros(4)
+    assert _copy_own([(a, old_a), (b, old_b)], [(a, new_a), (b, old_b)], "here") == 16
+    assert torch.equal(new_a, old_a)
+    with pytest.raises(MigrationError, match=r"here: nothing was to move.*Piece\(key='b'"):
+        _copy_own([(a, old_a)], [(b, torch.zeros(4))], "here")
+
+
 def test_only_a_dp_only_change_that_keeps_the_coordinate_keeps_the_model() -> None:
     from etcslurm.core.layout import ParallelConfig as P
     from etcslurm.megatron.regroup import can_keep

@@ -121,7 +121,7 @@ class Run:
     def world(self) -> dict[str, Any]:
         rec = self.coord.current_generation()
         assert rec is not None
-        return rec.to_json()
+        return rec.to_dict()
 
     def finished(self) -> bool:
         """Rank 0 reported the last step and every worker has left (its data log is

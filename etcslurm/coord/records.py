@@ -255,6 +255,12 @@ class GenerationRecord(_Record):
         1024-worker resize publishes — and every worker reads — is a few KiB."""
         return _compact(super().to_json())
 
+    def to_dict(self) -> dict[str, Any]:
+        """The full, readable form (every assignment row spelled out with its node and
+        coordinate, worker lists as plain ids): what tools, reports and tests look at.
+        :meth:`from_json` reads it too (it is version 1's shape)."""
+        return {**super().to_json(), "version": 1}
+
     @classmethod
     def from_json(cls, data: Any) -> GenerationRecord:
         # the version first: another version's fields would be reported as unknown

@@ -186,11 +186,6 @@ class Migration:
         ``before_exchange`` is called once the plan is prepared (benchmarks measure the
         transport's floor there)."""
         job, clock = self.job, self.clock
-        if job.nothing_moves and job.new_rank is not None and (
-                job.keep is None or self.regroup is None):
-            raise MigrationError(
-                f"generation {job.generation}: nothing moves, but rank {job.new_rank} "
-                "cannot keep its model")
         with clock.phase("build", self), _peer_phase("build"):
             if job.new_rank is None:
                 groups.teardown()  # a leaver (or idle): it only needs the exchange group
@@ -226,9 +221,15 @@ class Migration:
         return MigrationResult(self.trainee, self.plan, stats, dict(clock.seconds))
 
     def _commit_kept(self) -> MigrationResult:
-        """Nothing moves: every new member kept its model (the same parameters and Adam
-        state as before), so the commit is all that is left."""
+        """Nothing moves between participants: each new member kept its model (the same
+        parameters and Adam state as before), or -- one that could not be kept, e.g.
+        after a failed change had begun to re-wrap it -- built it anew and copies its own
+        old tensors in; then the commit is all that is left."""
         job = self.job
+        if self.trainee is not None:
+            with self.clock.phase("fill", self):
+                _copy_own(job.held, _local_state(self.trainee),
+                          f"generation {job.generation}, rank {job.new_rank}")
         with self.clock.phase("commit", self), _peer_phase("commit"):
             self._commit()
         self.plan = MigrationPlan(assignment=[], messages=[], local={}, missing={}, idle=[],
@@ -307,6 +308,30 @@ def _kept_pieces(held: list[tuple[Piece, torch.Tensor]],
                 and old.dtype == view.dtype):
             same.append(piece)
     return same
+
+
+def _copy_own(held: list[tuple[Piece, torch.Tensor]],
+              needed: list[tuple[Piece, torch.Tensor]], where: str) -> int:
+    """Fill ``needed`` from this process's own ``held`` pieces (the same piece: a change
+    in which nothing moves between ranks); views of the same memory are skipped.  Returns
+    the bytes copied.  A needed piece this process does not hold is a wrong decision
+    that nothing moves: :class:`MigrationError` naming it (nothing is half-written that
+    the old state would miss: the old tensors are only read)."""
+    by_piece = {p: v for p, v in held}
+    missing = [p for p, _ in needed if p not in by_piece]
+    if missing:
+        raise MigrationError(
+            f"{where}: nothing was to move, but this rank does not hold {missing[0]} "
+            f"(and {len(missing) - 1} more pieces)")
+    copied = 0
+    with torch.no_grad():
+        for piece, view in needed:
+            src = by_piece[piece]
+            if src.data_ptr() == view.data_ptr() and src.stride() == view.stride():
+                continue
+            view.copy_(src)
+            copied += view.numel() * view.element_size()
+    return copied
 
 
 def _within(piece: Piece, pieces: list[Piece]) -> bool:

@@ -120,14 +120,18 @@ class World:
         """Start ``generation``'s world and keep ``old``'s model in it (new groups, DDP,
         optimizer; same parameters and Adam state: :mod:`etcslurm.megatron.regroup`).
 
-        A model that turns out not to be keepable is built anew, unless ``required``
-        (every participant skips the exchange because nothing moves: a rebuilt model
-        would stay empty), which raises :class:`MigrationError`.
+        A model that turns out not to be keepable is built anew (the migration then
+        fills it from ``old``'s tensors), unless ``required``, which raises
+        :class:`MigrationError`.
         """
         from etcslurm.megatron.regroup import RegroupError, rewrap
 
         assert self._groups is not None and self._groups[0]() is old
         before = self._groups[1]
+        # from here on ``old``'s module is being changed (its group references, its DDP
+        # hooks): if this change fails, ``old`` is no longer a model that can be kept
+        # (its state stays readable, so the next attempt builds anew and copies it)
+        self._groups = None
         self._form(generation, layout, rank)
         t0 = time.perf_counter()
         try:
@@ -201,7 +205,7 @@ class World:
         self.last_build = {}
 
         def regroup(generation: int, layout: ParallelConfig, rank: int, old: Any) -> Any:
-            return self.regroup(generation, layout, rank, old, required=job.nothing_moves)
+            return self.regroup(generation, layout, rank, old)
 
         migration = Migration(
             job, store=self.store, form_and_build=self.form_and_build, regroup=regroup,

@@ -67,9 +67,10 @@ class Row:
 
 
 def record(run: LocalRun) -> dict[str, Any] | None:
-    """The run's current generation record as its JSON form (``from``/``to`` keys, lists),
-    which is what the scenarios keep and the tests assert on; ``None`` before the first."""
-    return None if run.record is None else run.record.to_json()
+    """The run's current generation record in its full readable form (``from``/``to``
+    keys, assignment rows, plain worker lists), which is what the scenarios keep and the
+    tests assert on; ``None`` before the first."""
+    return None if run.record is None else run.record.to_dict()
 
 
 class Tracker:
