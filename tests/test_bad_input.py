@@ -91,6 +91,8 @@ OFFLINE = [
                            "--from", "tp1pp1dp2", "--to", "tp1pp1dp1", "--leave", "1"],
      USAGE, "positive integer"),
     # expert parallelism: one line naming the problem (and the valid layouts), exit 2
+    ("moe-tp2-without-apex", ["bench", "migrate", *MOE, "--from", "tp2pp1dp2ep2",
+                              "--to", "tp1pp1dp4ep2"], USAGE, "needs sequence parallelism"),
     ("ep-does-not-divide-dp", ["plan", *MOE, "--from", "tp1pp1dp3ep2", "--to", "tp1pp1dp3"],
      USAGE, "ep=2 does not divide dp=3"),
     ("ep-does-not-divide-experts", ["plan", *MOE, "--from", "tp1pp1dp3ep3", "--to", "tp1pp1dp3"],

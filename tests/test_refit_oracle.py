@@ -70,3 +70,11 @@ def test_gpt_tp_and_dp_change_refit_equals_p2p() -> None:
 def test_llama_tp_and_pp_change_refit_equals_p2p() -> None:
     """SwiGLU linear_fc1 (refit: partition_stride 2), GQA, untied output, RMSNorm."""
     _check(_run(model="llama-tiny", source="tp2pp1dp2", target="tp1pp2dp2"))
+
+
+@pytest.mark.slow
+def test_moe_expert_parallel_change_refit_equals_p2p() -> None:
+    """EP 4 → 2 in one world: refit maps the experts to their new EP ranks by its grouped
+    names (``bench.refit.name_experts_as_grouped``); its expert weights equal P2P's."""
+    _check(_run(model="moe-tiny", source="tp1pp1dp4ep4", target="tp1pp1dp4ep2",
+                optimizer="distributed"))

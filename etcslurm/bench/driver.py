@@ -79,9 +79,14 @@ class MigrateRequest:
         old, new = ParallelConfig.parse(self.source), ParallelConfig.parse(self.target)
         old.validate(spec)
         new.validate(spec)
+        from etcslurm.megatron.model import moe_layout_problem
+
         for cfg in (old, new):
             if VOCAB_TP_MULTIPLE % cfg.tp:
                 raise UsageError(f"{cfg}: tp must divide {VOCAB_TP_MULTIPLE} (1, 2, 4 or 8)")
+            problem = moe_layout_problem(spec, cfg)
+            if problem:
+                raise UsageError(problem)
         if self.optimizer not in ("adam", "distributed"):
             raise UsageError(f"unknown optimizer {self.optimizer!r}; use adam or distributed")
         bad = [r for r in self.leave if not 0 <= r < old.world_size]

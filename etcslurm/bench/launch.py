@@ -125,6 +125,15 @@ def _tail(fh: Any, n: int = 3000) -> str:
     fh.flush()
     fh.seek(0)
     text = fh.read().decode(errors="replace").strip()
-    lines = [ln for ln in text.splitlines() if "Warning" not in ln and "warnings.warn" not in ln]
+    lines = [_shorten(ln) for ln in text.splitlines()
+             if "Warning" not in ln and "warnings.warn" not in ln]
     text = "\n".join(lines)
     return text[-n:] if text else "(no stderr)"
+
+
+def _shorten(line: str, keep: int = 400) -> str:
+    """A very long line (an exception listing thousands of keys) keeps its start, where
+    the exception names itself, and its end: else the tail shows only the list."""
+    if len(line) <= 2 * keep:
+        return line
+    return f"{line[:keep]} … ({len(line) - keep - keep // 2} characters) … {line[-keep // 2:]}"

@@ -76,7 +76,7 @@ class ParamDef:
     shared_embedding: bool = False
     parts: tuple[tuple[tuple[int, int], ...], ...] | None = None
     #: an expert's weight: sharded over expert parallelism, replicated over expert DP,
-    #: and kept in DDP's separate expert buffer (its own ZeRO-1 shards)
+    #: and, with EP > 1, kept in DDP's separate expert buffer (its own ZeRO-1 shards)
     expert: bool = False
 
     @property
@@ -330,11 +330,18 @@ def _shard_block(
     expert DP)."""
     out = _buffer_shard(spec, cfg, tp_rank, pp_rank, dp_rank, params_dtype,
                         overlap_grad_reduce, vocab_pad_tp, expert=False)
-    if spec.moe:
+    if spec.moe and cfg.ep > 1:
         ep_rank, edp_rank = divmod(dp_rank, cfg.ep)[::-1]
         out += _buffer_shard(spec, cfg, tp_rank, pp_rank, edp_rank, params_dtype,
                              overlap_grad_reduce, vocab_pad_tp, expert=True, ep_rank=ep_rank)
     return out
+
+
+def _in_expert_buffer(param: ParamDef, cfg: ParallelConfig) -> bool:
+    """Whether megatron's DDP keeps ``param`` in its expert buffer (ZeRO-1-sharded over
+    expert DP).  Only with EP > 1: megatron marks expert weights ``allreduce=False`` only
+    when ``expert_model_parallel_size > 1``; with EP 1 they sit in the dense buffer."""
+    return param.expert and cfg.ep > 1
 
 
 def _buffer_shard(
@@ -344,7 +351,7 @@ def _buffer_shard(
 ) -> tuple[Piece, ...]:
     """One DP rank's ZeRO-1 shard of one DDP buffer (``dp_rank``: in the buffer's group)."""
     params = [p for p in _stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp, ep_rank)
-              if p.expert == expert]
+              if _in_expert_buffer(p, cfg) == expert]
     kinds = _opt_kinds("distributed", params_dtype)
     buckets, _, order, starts, ends = _buffer_layout_cached(
         spec, cfg, pp_rank, overlap_grad_reduce, vocab_pad_tp, expert)
@@ -371,7 +378,8 @@ def _buffer_shard(
 def _buffer_layout_cached(spec, cfg, pp_rank, overlap_grad_reduce, vocab_pad_tp, expert=False):
     # sizes do not depend on the TP or EP rank, so rank 0 stands for all; a MoE model's
     # DDP keeps its expert params in a buffer of their own, sharded over expert DP
-    params = [p for p in stage_params(spec, cfg, 0, pp_rank, vocab_pad_tp) if p.expert == expert]
+    params = [p for p in stage_params(spec, cfg, 0, pp_rank, vocab_pad_tp)
+              if _in_expert_buffer(p, cfg) == expert]
     group = cfg.edp if expert else cfg.dp
     buckets, index = buffer_layout(
         params, group, ddp_bucket_size(cfg.dp, pp_rank, overlap_grad_reduce))

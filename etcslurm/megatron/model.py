@@ -149,7 +149,8 @@ def transformer_config(spec: GPTSpec, config: ParallelConfig, dtype: torch.dtype
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         init_method_std=0.02,
-        sequence_parallel=False,
+        # MoE with TP > 1: megatron requires it (moe_settings); dense models do without
+        sequence_parallel=spec.moe and config.tp > 1,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
@@ -157,6 +158,27 @@ def transformer_config(spec: GPTSpec, config: ParallelConfig, dtype: torch.dtype
         apply_rope_fusion=False,
         **moe_settings(spec, config),
     )
+
+
+def moe_layout_problem(spec: GPTSpec, config: ParallelConfig) -> str | None:
+    """Why ``spec`` cannot be trained in ``config`` with this megatron-core install, or
+    ``None``.  A MoE model with TP > 1 trains only with sequence parallelism (megatron
+    raises otherwise), and the local spec's norms without Apex (``WrappedTorchNorm``)
+    refuse sequence parallelism: so on such an install (any CPU machine) MoE layouts must
+    keep TP at 1.  Planning (``etcslurm plan``) is not affected."""
+    if not spec.moe or config.tp == 1:
+        return None
+    import warnings
+
+    with warnings.catch_warnings():  # megatron warns at import that Apex is missing
+        warnings.simplefilter("ignore")
+        from megatron.core.models.gpt import gpt_layer_specs
+
+    if getattr(gpt_layer_specs, "HAVE_APEX", False):
+        return None
+    return (f"{config}: a mixture-of-experts model with tp={config.tp} needs sequence "
+            "parallelism, which megatron-core's local layer spec supports only with Apex "
+            "norms (not installed here); use a layout with tp1")
 
 
 def layer_spec(spec: GPTSpec) -> Any:
@@ -178,7 +200,9 @@ def moe_settings(spec: GPTSpec, config: ParallelConfig) -> dict[str, Any]:
 
     Why these: the all-gather token dispatcher and one ``SequentialMLP`` per layer
     (``moe_grouped_gemm=False``) are the MoE path megatron-core runs without Transformer
-    Engine, so on CPU/gloo too; expert tensor parallelism follows TP (megatron's default).
+    Engine, so on CPU/gloo too; expert tensor parallelism follows TP (megatron's default);
+    with TP > 1 megatron trains MoE layers only with sequence parallelism (it raises
+    otherwise), which changes no tensor's shape or place.
     """
     if not spec.moe:
         return {}
@@ -227,6 +251,9 @@ def build_gpt(
         or parallel_state.get_expert_model_parallel_world_size() != config.ep
     ):
         raise UsageError(f"parallel_state is not initialised for {config}")
+    problem = moe_layout_problem(spec, config)
+    if problem:
+        raise UsageError(problem)
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

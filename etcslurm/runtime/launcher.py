@@ -338,6 +338,18 @@ def drive(run: LocalRun, events: tuple[ScheduledEvent, ...], timeout: float,
             )
 
 
+def reference_workers(spec: GPTSpec, workers: int) -> int:
+    """Workers of the never-resized reference run.
+
+    A dense model's initial state does not depend on the layout (megatron builds every
+    weight from its full-size master on the CPU and keeps this rank's slice), so one
+    worker trains the same curve.  A mixture-of-experts model's does: megatron seeds the
+    experts per expert-parallel rank, so the reference starts with the elastic run's own
+    initial workers, in the same first layout, and never resizes.
+    """
+    return workers if spec.moe else 1
+
+
 def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
              on_tick: Callable[[LocalRun], None] | None = None) -> DemoResult:
     """Run the elastic demo (and its no-resize reference) end to end."""
@@ -376,12 +388,13 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
         result = run.result
         result.dtype = spec.dtype
         if opts.reference:
-            say("reference run without resizes (1 worker)")
-            ref_opts = DemoOptions(**{**opts.__dict__, "workers": 1, "schedule": "",
+            n_ref = reference_workers(spec, opts.workers)
+            say(f"reference run without resizes ({n_ref} worker{'s' if n_ref > 1 else ''})")
+            ref_opts = DemoOptions(**{**opts.__dict__, "workers": n_ref, "schedule": "",
                                       "run_id": f"{run_id}-ref", "run_dir": str(run_dir / "reference")})
             (run_dir / "reference").mkdir(exist_ok=True)
-            ref = LocalRun(ref_opts, f"{run_id}-ref", run_dir / "reference", url, pw, spec, 1)
-            ref.spawn_initial(1)
+            ref = LocalRun(ref_opts, f"{run_id}-ref", run_dir / "reference", url, pw, spec, n_ref)
+            ref.spawn_initial(n_ref)
             drive(ref, (), opts.timeout)
             result.reference_losses = ref.result.losses
             ref.coord.end_run(keep_s=opts.keep_keys_s)
