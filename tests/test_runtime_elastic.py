@@ -162,3 +162,26 @@ def test_a_model_etcslurm_cannot_describe_is_refused_at_start(redis_url: str, ru
             not p.read_text() for p in tmp_path.glob("data-*.jsonl")), "no step may run"
     finally:
         coord.end_run()
+
+
+def test_moe_run_changes_expert_parallelism_and_matches_reference(
+        redis_url: str, run_id: str, tmp_path: Path) -> None:
+    """moe-tiny on 4 workers starts with its 4 experts over EP 4; one worker leaves, and on 3
+    devices no EP > 1 divides both DP (3) and the experts (4), so the run goes on in EP 1: every expert gathered on every rank, the
+    distributed optimizer's expert buffer (ZeRO-1 over expert DP) becoming part of the
+    dense one.  bf16, so fp32 main params travel too.  The losses equal a 4-worker run
+    that never resized (megatron seeds experts per EP rank: the reference starts in the
+    same first layout)."""
+    steps, gb = 8, 12
+    opts = DemoOptions(workers=4, model="moe-tiny", dtype="bf16", optimizer="distributed",
+                       steps=steps, schedule="3:leave=1", redis=redis_url, run_id=run_id,
+                       run_dir=str(tmp_path), global_batch=gb, keep_keys_s=5)
+    result = run_demo(opts)
+    kinds = [(g["kind"], g["from"], g["to"]) for g in result.generations]
+    assert kinds == [("start", None, "tp1pp1dp4ep4"), ("resize", "tp1pp1dp4ep4", "tp1pp1dp3")]
+    assert result.migrations[0]["moved_bytes"] > 0
+    assert len(result.losses) == steps and len(result.reference_losses) == steps
+    assert result.max_loss_diff is not None and result.max_loss_diff <= LOSS_TOLERANCE
+    assert all(code == 0 for code in result.exit_codes.values()), result.exit_codes
+    _data_positions(tmp_path, steps, gb)
+    assert pids_alive(result.pids) == []
