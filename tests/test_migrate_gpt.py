@@ -106,9 +106,8 @@ def test_moe_expert_replicas_leave_distributed_optimizer() -> None:
     ("tp1pp1dp4ep4", "tp1pp1dp4ep2", "adam", "float32", True),  # EP shrinks in one world
     # PP up, EP 2 -> 1 (TP stays 1: megatron trains MoE with TP > 1 only with sequence
     # parallelism, which its norms without Apex refuse).  The oracle is the pre-migration
-    # dump loaded into the new layout,
-    # not dist_checkpointing: megatron-core 0.16.1 cannot load a distributed optimizer
-    # saved with EP > 1 (a ChainedOptimizer: keys "chained_0."/"chained_1.") into EP 1
+    # dump loaded into the new layout, not dist_checkpointing: megatron-core 0.16.1
+    # cannot load optimizer state (plain or distributed) saved with EP > 1 (a ChainedOptimizer: keys "chained_0."/"chained_1.") into EP 1
     # (one optimizer, no prefix): KeyError "optimizer.state.exp_avg_sq... not in state dict"
     ("tp1pp1dp4ep2", "tp1pp2dp2", "distributed", "bfloat16", False),
 ])
