@@ -40,12 +40,13 @@ import os
 import secrets
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from rank_processes import run_rank_processes
 
 WORLD = 2
 
@@ -209,33 +210,16 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="etcslurm-ckpt-cost-") as tmp:
         server = BundledRedis(Path(tmp) / "coord").start()
-        procs: list[subprocess.Popen[bytes]] = []
         try:
             base = [sys.executable, os.path.abspath(__file__), "--model", args.model,
                     "--seq", str(args.seq), "--global-batch", str(args.global_batch),
                     "--steps", str(args.steps), "--every", str(args.every),
                     "--rounds", str(args.rounds), "--redis", server.url_with_password,
                     "--run", f"ckpt-cost-{secrets.token_hex(3)}", "--run-dir", tmp]
-            env = dict(os.environ, OMP_NUM_THREADS="1", ETCSLURM_LOG="ERROR",
-                       PYTHONWARNINGS="ignore")
-            for rank in range(WORLD):  # workers trap SIGTERM (a leave): die with us
-                procs.append(subprocess.Popen([*base, "--child", str(rank)], env=env,
-                                              preexec_fn=die_with_parent))
-            end = time.monotonic() + args.timeout
-            for p in procs:
-                try:
-                    rc = p.wait(timeout=max(1.0, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    raise SystemExit(f"the workers did not finish within {args.timeout:.0f} s "
-                                     "(--timeout)") from None
-                if rc != 0:
-                    raise SystemExit(f"a worker process failed (exit {rc})")
-            ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
+            # workers trap SIGTERM (a leave): they die with us
+            ranks = run_rank_processes(base, WORLD, tmp, args.timeout,
+                                       preexec_fn=die_with_parent)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
             server.stop()
     wall = time.perf_counter() - t0
     load1 = os.getloadavg()

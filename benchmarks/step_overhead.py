@@ -29,12 +29,13 @@ import os
 import secrets
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from rank_processes import run_rank_processes
 
 WORLD = 2
 
@@ -268,7 +269,6 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="etcslurm-overhead-") as tmp:
         server = BundledRedis(tmp).start()
-        procs: list[subprocess.Popen[bytes]] = []
         try:
             ports = ",".join(str(_free_port()) for _ in range(args.rounds))
             base = [sys.executable, os.path.abspath(__file__), "--model", args.model,
@@ -278,20 +278,8 @@ def main() -> None:
                     *(["--elastic-first"] if args.elastic_first else []),
                     "--redis", server.url_with_password, "--run",
                     f"overhead-{secrets.token_hex(3)}", "--run-dir", tmp]
-            env = dict(os.environ, OMP_NUM_THREADS="1", ETCSLURM_LOG="ERROR", PYTHONWARNINGS="ignore")
-            for rank in range(WORLD):
-                procs.append(subprocess.Popen([*base, "--child", str(rank)], env=env))
-            end = time.monotonic() + args.timeout
-            for p in procs:
-                rc = p.wait(timeout=max(1.0, end - time.monotonic()))
-                if rc != 0:
-                    raise SystemExit(f"a worker process failed (exit {rc})")
-            ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
+            ranks = run_rank_processes(base, WORLD, tmp, args.timeout)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
             server.stop()
     wall = time.perf_counter() - t0
     load = (load0, os.getloadavg()[0])
