@@ -458,7 +458,8 @@ def test_preempting_the_job_of_the_coordinators_primary_hands_it_over(
         assert gen0["kind"] == "start" and gen0["world"] == 4
         members = run.coord.members()
         # the worker on array task 0's node: the node of site 0 (the primary)
-        task_of = {w: _array_task(str(i["slurm_job"]), res.job_id) for w, i in members.items()}
+        task_of = {w: int(i["slurm_array_task"]) for w, i in members.items()}
+        assert sorted(task_of.values()) == [0, 1, 2, 3], task_of
         victim = next(w for w, t in task_of.items() if t == 0)
         t_preempt = time.time()
         jobs.append(preempt_node(members[victim]["node"], tmp_path))
@@ -538,14 +539,6 @@ def _stop_sites(coord_dir: Path, job_ids: list[str]) -> None:
         if _alive(pid):
             with contextlib.suppress(OSError):
                 os.kill(pid, _signal.SIGKILL)
-
-
-def _array_task(slurm_job: str, array_id: str) -> int | None:
-    """The array task index of a worker's job (``ARRAY_TASK`` or the task's own job id)."""
-    if "_" in slurm_job:
-        return int(slurm_job.rsplit("_", 1)[1])
-    out = sh("squeue", "-h", "-j", slurm_job, "-o", "%F %K").split()
-    return int(out[1]) if len(out) == 2 and out[0] == array_id and out[1].isdigit() else None
 
 
 def _alive(pid: int) -> bool:

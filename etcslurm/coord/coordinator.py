@@ -105,6 +105,7 @@ def _slurm_env() -> dict[str, Any]:
         ("slurm_job", "SLURM_JOB_ID"),
         ("slurm_step", "SLURM_STEP_ID"),
         ("slurm_proc", "SLURM_PROCID"),
+        ("slurm_array_task", "SLURM_ARRAY_TASK_ID"),
         ("node", "SLURMD_NODENAME"),
     ):
         if env.get(var):
