@@ -131,7 +131,7 @@ class FakeCoordinator:
         self.workers[self.me]["state"] = "leaving"
 
     # changes and events
-    def pending_changes(self) -> list[ChangeRequest]:
+    def pending_changes(self, deadline: float | None = None) -> list[ChangeRequest]:
         return list(self.changes)
 
     def take_changes(self, count: int) -> None:

@@ -633,13 +633,15 @@ class Coordinator:
         self.client.decided("request change", _push, self._ack_key)
         self.emit("change.requested", **ChangeRequested.of(request).to_json())
 
-    def pending_changes(self) -> list[ChangeRequest]:
+    def pending_changes(self, deadline: float | None = None) -> list[ChangeRequest]:
         """The change requests not yet taken, oldest first (empty: nothing pending).
 
-        A malformed entry raises :class:`RecordError` naming it.
+        ``deadline``: seconds to retry an unreachable coordinator (``None``: the client's
+        ``retry_deadline``; ``0``: one try, as the step boundary asks).  A malformed entry
+        raises :class:`RecordError` naming it.
         """
         key = self.keys.changes
-        raws = self.client.call("read changes", lambda r: r.lrange(key, 0, 999))
+        raws = self.client.call("read changes", lambda r: r.lrange(key, 0, 999), deadline)
         out = []
         for i, raw in enumerate(raws or []):
             try:

@@ -139,13 +139,15 @@ class Boundary:
         return WorldView(leaving, dead, ready, nodes)
 
     def pending_request(self, settings: Any, record: GenerationRecord,
-                        view: WorldView) -> ChangeRequest | None:
+                        view: WorldView, deadline: float | None = None) -> ChangeRequest | None:
         """The pending change requests (``etcslurm resize``, leavers' drains) as one, if it
         can be carried out now; one that cannot is taken off the queue with an ``error``
-        event saying why (else it would stay pending forever)."""
+        event saying why (else it would stay pending forever).  ``deadline``: as for
+        :meth:`world_view` (0 at the step boundary: the other ranks wait in a collective
+        while this one reads, so an unreachable coordinator must not hold it)."""
         from etcslurm.runtime.generation import check_request, merge_requests
 
-        pending = self.coord.pending_changes()
+        pending = self.coord.pending_changes(deadline)
         request = merge_requests(pending)
         if request is None:
             return None

@@ -261,7 +261,7 @@ class ElasticSession:
         assert ctx is not None and ctx.record is not None
         settings = transitions.layout_settings(ctx)
         view = ctx.boundary.world_view(ctx.record, deadline=0)
-        request = ctx.boundary.pending_request(settings, ctx.record, view)
+        request = ctx.boundary.pending_request(settings, ctx.record, view, deadline=0)
         return worth_changing(settings, ctx.record, leaving=view.leaving, dead=[],
                               ready=view.ready, request=request)
 
