@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rank_processes import run_rank_processes
+from rank_processes import add_child_arguments, run_rank_processes
 
 WORLD = 2
 
@@ -190,10 +190,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="off+on repetitions")
     ap.add_argument("--timeout", type=float, default=3000.0)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--redis", help=argparse.SUPPRESS)
-    ap.add_argument("--run", help=argparse.SUPPRESS)
-    ap.add_argument("--run-dir", help=argparse.SUPPRESS)
+    add_child_arguments(ap)
     args = ap.parse_args()
     if args.seq is None:
         args.seq = 128 if args.model == "gpt-125m" else 0

@@ -8,12 +8,22 @@ cleaning up, so a benchmark that fails names why instead of hanging.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+
+def add_child_arguments(ap: argparse.ArgumentParser) -> None:
+    """The hidden flags :func:`run_rank_processes` and the parent pass to each child: its
+    rank, the run's coordinator URL, run id and result folder."""
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--redis", help=argparse.SUPPRESS)
+    ap.add_argument("--run", help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", help=argparse.SUPPRESS)
 
 
 def run_rank_processes(argv: Sequence[str], world: int, result_dir: str | Path,
