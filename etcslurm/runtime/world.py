@@ -115,14 +115,12 @@ class World:
         return (known and isinstance(trainee, Trainee)
                 and can_keep(old, new, trainee.optimizer_kind))
 
-    def regroup(self, generation: int, layout: ParallelConfig, rank: int, old: Any,
-                required: bool = False) -> Any:
+    def regroup(self, generation: int, layout: ParallelConfig, rank: int, old: Any) -> Any:
         """Start ``generation``'s world and keep ``old``'s model in it (new groups, DDP,
         optimizer; same parameters and Adam state: :mod:`etcslurm.megatron.regroup`).
 
         A model that turns out not to be keepable is built anew (the migration then
-        fills it from ``old``'s tensors), unless ``required``, which raises
-        :class:`MigrationError`.
+        fills it from ``old``'s tensors).
         """
         from etcslurm.megatron.regroup import RegroupError, rewrap
 
@@ -137,8 +135,6 @@ class World:
         try:
             trainee = rewrap(old, before, layout)
         except RegroupError as exc:
-            if required:
-                raise
             log.warning("generation %s: model not kept (%s); building it anew", generation, exc)
             return self._build_after_form(layout, t0)
         self.last_build["kept"] = 1.0
@@ -204,11 +200,8 @@ class World:
         default group), ``groups`` (megatron's) and ``build`` (model or re-wrap)."""
         self.last_build = {}
 
-        def regroup(generation: int, layout: ParallelConfig, rank: int, old: Any) -> Any:
-            return self.regroup(generation, layout, rank, old)
-
         migration = Migration(
-            job, store=self.store, form_and_build=self.form_and_build, regroup=regroup,
+            job, store=self.store, form_and_build=self.form_and_build, regroup=self.regroup,
             staging_cap=self.settings.staging_bytes, timeout=self.options.collective_timeout,
             group_timeout=self.options.collective_timeout + 2 * self.build_seconds,
             arena=self.arena, hooks=self.hooks, progress=progress,
