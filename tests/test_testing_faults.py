@@ -12,6 +12,7 @@ from etcslurm.errors import UsageError
 from etcslurm.hooks import NO_HOOKS
 from etcslurm.testing.faults import (
     CorruptOnce,
+    HoldAfterStep,
     MigrationDelay,
     RebuildDelay,
     Several,
@@ -36,7 +37,8 @@ def test_json_builds_each_hook() -> None:
 
 
 @pytest.mark.parametrize("spec", [{"migration_dely": 1}, {"corrupt": {"byte": 3}}, [1],
-                                  {"rebuild_delay": "soon"}])
+                                  {"rebuild_delay": "soon"}, {"hold": {"step": 2}},
+                                  {"hold": {"step": "two", "file": "/x"}}])
 def test_bad_fault_specs_are_refused(spec: object) -> None:
     with pytest.raises(UsageError):
         hooks_from_json(spec)  # type: ignore[arg-type]
@@ -61,6 +63,21 @@ def test_step_pacing_sleeps_the_rest_of_the_minimum(monkeypatch: pytest.MonkeyPa
     pace.after_step(1, 1.0)
     pace.after_step(2, 4.0)
     assert slept == [2.0]
+
+
+def test_hold_waits_after_its_step_until_the_file_exists(tmp_path) -> None:
+    go = tmp_path / "go"
+    h = hooks_from_json({"hold": {"step": 2, "file": str(go), "timeout": 0.3}})
+    assert isinstance(h, HoldAfterStep)
+    t0 = time.monotonic()
+    h.after_step(1, 0.0)  # not its step: no wait
+    assert time.monotonic() - t0 < 0.1
+    h.after_step(2, 0.0)  # no file: waits out its timeout, then goes on
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    go.touch()
+    t1 = time.monotonic()
+    h.after_step(2, 0.0)
+    assert time.monotonic() - t1 < 0.1
 
 
 def test_corrupt_once_flips_one_byte_of_the_first_matching_message() -> None:

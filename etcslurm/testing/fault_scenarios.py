@@ -111,6 +111,32 @@ def faults(**spec: Any) -> dict[str, Any]:
             "worker_args": ("--faults", json.dumps(spec, sort_keys=True))}
 
 
+#: the step after which the joining scenarios hold every rank until their joiner has
+#: registered (it is spawned after step 1; :class:`~etcslurm.testing.faults.HoldAfterStep`)
+HOLD_STEP = 2
+
+
+def _hold_for_joiner(run_dir: Path) -> dict[str, Any]:
+    """The ``hold`` fault that keeps the run at :data:`HOLD_STEP` until
+    :func:`_release_when_joined` lets it go."""
+    return {"hold": {"step": HOLD_STEP, "file": str(run_dir / "joiner-registered"),
+                     "timeout": 240.0}}
+
+
+def _release_when_joined(inject: Callable[[LocalRun, Tracker], None], run_dir: Path,
+                         initial: int = 3) -> Callable[[LocalRun, Tracker], None]:
+    """``inject``, and the hold of :func:`_hold_for_joiner` released once a worker beyond
+    the ``initial`` ones has registered (the change that takes it in then always comes)."""
+    go = run_dir / "joiner-registered"
+
+    def tick(run: LocalRun, tracker: Tracker) -> None:
+        if len(run.by_worker) > initial and not go.exists():
+            go.touch()
+        inject(run, tracker)
+
+    return tick
+
+
 def _options(redis_url: str | None, password_file: str | None, run_dir: Path, steps: int,
              **kw: Any) -> DemoOptions:
     base: dict[str, Any] = dict(
@@ -230,7 +256,8 @@ def kill_receiver_mid_migration(redis_url: str, pw: str | None, run_dir: Path, s
     inside the migration to widen the window) it gets SIGKILL: the senders' exchange
     fails, nothing was applied, and the next generation is planned from the old state."""
     opts = _options(redis_url, pw, run_dir, max(steps, 12), schedule="1:join=1;1:killjoiner=1",
-                    min_step_seconds=1.5, **faults(migration_delay=2.0))
+                    min_step_seconds=1.5,
+                    **faults(migration_delay=2.0, **_hold_for_joiner(run_dir)))
 
     def inject(run: LocalRun, tracker: Tracker) -> None:
         killed = [wp for wp in run.procs if wp.killed]
@@ -238,7 +265,8 @@ def kill_receiver_mid_migration(redis_url: str, pw: str | None, run_dir: Path, s
             tracker.fault_ts = killed[0].signalled_at
             tracker.done = True
 
-    row = _run("SIGKILL of a receiving rank mid-migration", opts, inject, reference)
+    row = _run("SIGKILL of a receiving rank mid-migration", opts,
+               _release_when_joined(inject, run_dir), reference)
     # recovered = the generation planned again from the old state is done
     done = [e for e in row.events if e["type"] == "migration.done"
             and int(e["data"].get("gen", -1)) >= 2]
@@ -278,7 +306,8 @@ def _kill_mid_transfer(redis_url: str, pw: str | None, run_dir: Path, steps: int
     cap); once ``old_rank`` of the old world has sent part of its share (its progress
     event after the first round, where the workers pause 3 s), it gets SIGKILL."""
     opts = _options(redis_url, pw, run_dir, max(steps, 12), schedule="1:join=1",
-                    min_step_seconds=1.5, staging_mb=0.5, **faults(migration_delay=3.0))
+                    min_step_seconds=1.5, staging_mb=0.5,
+                    **faults(migration_delay=3.0, **_hold_for_joiner(run_dir)))
     seen: dict[str, Any] = {}
 
     def inject(run: LocalRun, tracker: Tracker) -> None:
@@ -296,7 +325,7 @@ def _kill_mid_transfer(redis_url: str, pw: str | None, run_dir: Path, steps: int
                 seen.update(sent=d["sent"], total=d["total_send"], worker=victim)
                 return
 
-    row = _recovered_after(_run(name, opts, inject, reference), 2)
+    row = _recovered_after(_run(name, opts, _release_when_joined(inject, run_dir), reference), 2)
     if seen and row.outcome.startswith("completed"):
         row.outcome += (f"; killed after sending {seen['sent']} of {seen['total']} B, "
                         "replanned from the old state")
@@ -323,7 +352,7 @@ def joiner_never_arrives(redis_url: str, pw: str | None, run_dir: Path, steps: i
     change is planned again without it.  Once that is done it is let go (SIGCONT): it
     must find itself out of the run and not disturb it."""
     opts = _options(redis_url, pw, run_dir, max(steps, 12), schedule="1:join=1",
-                    min_step_seconds=1.5)
+                    min_step_seconds=1.5, **faults(**_hold_for_joiner(run_dir)))
     stalled: list[str] = []
 
     def inject(run: LocalRun, tracker: Tracker) -> None:
@@ -345,8 +374,8 @@ def joiner_never_arrives(redis_url: str, pw: str | None, run_dir: Path, steps: i
         return any(m.get("gen") is not None and int(m["gen"]) >= gen
                    for m in run.result.migrations)
 
-    row = _recovered_after(_run("joiner taken in that never arrives (hangs)", opts, inject,
-                                reference), 2)
+    row = _recovered_after(_run("joiner taken in that never arrives (hangs)", opts,
+                                _release_when_joined(inject, run_dir), reference), 2)
     row.detail = {"stalled": stalled}
     return row
 

@@ -6,7 +6,7 @@ the wire, or pace the steps so that joiners arrive in time.  Each is a small sub
 :class:`Several` chains them and :func:`hooks_from_json` builds the lot from the JSON that
 ``python -m etcslurm.testing.worker --faults JSON`` is given, e.g.
 ``{"rebuild_delay": 0, "migration_delay": 3, "min_step_seconds": 1.5,
-"corrupt": {"src": "0", "dst": "1"}}``.
+"corrupt": {"src": "0", "dst": "1"}, "hold": {"step": 2, "file": "/run/dir/go"}}``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from etcslurm.errors import UsageError
@@ -78,6 +79,25 @@ class StepPacing(Hooks):
             time.sleep(self.min_seconds - seconds)
 
 
+class HoldAfterStep(Hooks):
+    """After step ``step``, hold until ``file`` exists (at most ``timeout`` s, then go on).
+
+    A joiner needs 15-30 s to start on a loaded 2-core host; a paced run of a dozen
+    steps can end before it registers.  Fault scenarios that strike a joiner's
+    migration hold every rank here and create ``file`` once the joiner has registered,
+    so the change that takes it in always comes (the steps' losses are unchanged)."""
+
+    def __init__(self, step: int, file: str, timeout: float = 180.0) -> None:
+        self.step, self.file, self.timeout = int(step), Path(file), float(timeout)
+
+    def after_step(self, step: int, seconds: float) -> None:
+        if step != self.step:
+            return
+        end = time.monotonic() + self.timeout
+        while not self.file.exists() and time.monotonic() < end:
+            time.sleep(0.05)
+
+
 class Several(Hooks):
     """Every hook of ``parts``, in order."""
 
@@ -102,7 +122,8 @@ class Several(Hooks):
 
 
 #: the keys :func:`hooks_from_json` accepts
-FAULT_KEYS = ("rebuild_delay", "migration_delay", "min_step_seconds", "corrupt")
+FAULT_KEYS = ("rebuild_delay", "migration_delay", "min_step_seconds", "corrupt", "hold")
+_HOLD_KEYS = ("step", "file", "timeout")
 _CORRUPT_KEYS = ("src", "dst", "offset", "mask")
 
 
@@ -131,6 +152,16 @@ def hooks_from_json(spec: Mapping[str, Any] | None) -> Hooks:
         if not isinstance(corrupt, Mapping) or set(corrupt) - set(_CORRUPT_KEYS):
             raise UsageError(f"--faults corrupt must be an object with keys from {_CORRUPT_KEYS}")
         parts.append(CorruptOnce(**corrupt))
+    hold = spec.get("hold")
+    if hold:
+        if (not isinstance(hold, Mapping) or set(hold) - set(_HOLD_KEYS)
+                or not {"step", "file"} <= set(hold)):
+            raise UsageError(f"--faults hold must be an object with keys from {_HOLD_KEYS} "
+                             "(step and file required)")
+        try:
+            parts.append(HoldAfterStep(**hold))
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"--faults hold: {exc}") from None
     if not parts:
         return NO_HOOKS
     return parts[0] if len(parts) == 1 else Several(*parts)
