@@ -23,8 +23,12 @@ joiner-never-arrives      a joiner taken into a generation hangs (SIGSTOP) befor
                           exchange; later let go, it must find itself out of the run
 lost-pieces               SIGKILL with the distributed optimizer (no replica of the
                           killed rank's optimizer shard): a clean stop, exit 5
+rollback                  lost-pieces with a periodic checkpoint every 2 steps: the run
+                          rolls back to the last complete one on the survivor, goes on
 corrupt-message           one received migration buffer flipped (executor hook): the
                           checksum catches it and MigrationError names the piece
+kill-coordinator-primary  a replicated coordinator of its own (3 sites, Sentinel); its
+                          primary redis-server SIGKILLed mid-run, a preemption later
 ========================  ==============================================================
 
 Columns: *outcome* (what the run did), *recover s* (fault injected → the next
