@@ -24,6 +24,8 @@ from etcslurm.coord.coordinator import Coordinator
 from etcslurm.coord.sentinel import Site
 from etcslurm.coord.server import BundledRedis
 from etcslurm.errors import CoordinatorError
+from etcslurm.monitor.model import RunModel
+from etcslurm.monitor.source import RunSource
 from tests.helpers import generation_record
 
 #: Sentinel's down-after in these tests.  Not lower: on the 2 loaded CI cores a freshly
@@ -139,8 +141,13 @@ def test_hand_over_moves_the_primary_without_failed_writes(sites, run_id):
     client = connect(_url(sites), retry_deadline=20)
     failover.settle(client, 3)
     coord = Coordinator(client, run_id)
-    wid = coord.register(heartbeat=False)
+    wid = coord.register({"node": "n0", "address": "127.0.0.1"}, heartbeat=False)
     assert coord.publish_generation(generation_record(0, "tp1pp1dp1", [wid]))
+    # the monitor names the primary (and the node of the one worker on its IP)
+    source, model = RunSource(client, run_id), RunModel(run_id)
+    source.catch_up(model)
+    p0 = f"{sites[0].address[0]}:{sites[0].address[1]}"
+    assert model.coordinator == f"primary {p0} (node n0), 2 replicas"
     # not our node's primary: nothing happens
     assert failover.hand_over(client, only_if=("127.0.0.1", 1)) is None
 
@@ -183,6 +190,11 @@ def test_hand_over_moves_the_primary_without_failed_writes(sites, run_id):
     assert rec is not None and rec.generation == 0
     assert coord.publish_generation(generation_record(1, "tp1pp1dp1", [wid], from_layout="tp1pp1dp1"))
     assert failover.topology(client)["primary"] == list(done.new)
+    # ... and logs the move as an event once the Sentinels name the new primary
+    p1 = f"{done.new[0]}:{done.new[1]}"
+    line = model.set_coordinator(source.read_coordinator(), time.time())
+    assert line == f"coordinator primary moved {p0} → {p1} (node n0)", line
+    assert model.view(time.time()).events[-1].type == "coordinator.primary"
     client.close()
 
 

@@ -251,3 +251,22 @@ def test_helpers() -> None:
     assert rank_coord(5, "tp2pp2dp2") == (1, 1, 0)  # rank = tp + TP*(dp + DP*pp)
     assert compact_ids(["w9", "w10", "w11", "w12"]) == "w9–w12"
     assert compact_ids(["a", "b"]) == "a, b"
+
+
+def test_coordinator_primary_moves_and_outages_are_logged_once() -> None:
+    model = RunModel("r")
+    assert model.set_coordinator(None, 1.0) is None and model.coordinator is None
+    assert model.set_coordinator({"primary": "10.0.0.1:6379", "replicas": 2}, 1.0) is None
+    assert model.coordinator == "primary 10.0.0.1:6379, 2 replicas"
+    model.addresses["10.0.0.2"] = {"n2"}
+    line = model.set_coordinator({"primary": "10.0.0.2:6379", "replicas": 1}, 2.0)
+    assert line == "coordinator primary moved 10.0.0.1:6379 → 10.0.0.2:6379 (node n2)"
+    assert model.coordinator == "primary 10.0.0.2:6379 (node n2), 1 replica"
+    err = {"error": "no Sentinel of X named a primary: timeout"}
+    assert model.set_coordinator(err, 3.0) == "coordinator: no Sentinel of X named a primary: timeout"
+    assert model.set_coordinator(err, 4.0) is None  # an outage is one line, not one per poll
+    view = model.view(5.0)
+    assert view.coordinator.startswith("no primary")
+    assert [e.type for e in view.events] == ["coordinator.primary", "coordinator.error"]
+    assert "coordinator no primary" in render_run(view)
+    assert view.to_json()["coordinator"] == view.coordinator

@@ -48,6 +48,40 @@ def _flags(entry: dict[str, Any]) -> set[str]:
 _DOWN = {"s_down", "o_down", "disconnected"}
 
 
+@dataclass(frozen=True)
+class PrimaryNow:
+    """Where the replicated coordinator's primary is, as a Sentinel names it now."""
+
+    address: tuple[str, int]
+    replicas_up: int
+
+    @property
+    def text(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}"
+
+
+def primary_now(client: CoordClient) -> PrimaryNow | None:
+    """The primary and how many replicas are up, from the first answering Sentinel
+    (two small Sentinel calls, no connection to the primary: cheap enough for the
+    monitor to ask every few seconds); ``None`` for a single Redis server.  Raises
+    :class:`CoordinatorError` when no Sentinel answers or none names a primary."""
+    if client.sentinel is None or not client.service:
+        return None
+    sentinel, service = client.sentinel, client.service
+    errors = []
+    for s in list(sentinel.sentinels):
+        try:
+            master = s.sentinel_master(service)
+            replicas = s.sentinel_slaves(service)
+        except redis.RedisError as exc:
+            errors.append(str(exc) or type(exc).__name__)
+            continue
+        up = sum(1 for r in replicas if not (_flags(r) & _DOWN))
+        return PrimaryNow((str(master["ip"]), int(master["port"])), up)
+    raise CoordinatorError(f"no Sentinel of {client.url} named a primary: "
+                           f"{'; '.join(errors) or 'none listed'}")
+
+
 def topology(client: CoordClient) -> dict[str, Any]:
     """The replicated coordinator as the first answering Sentinel sees it.
 

@@ -25,6 +25,8 @@ from etcslurm.monitor.source import RunSource
 
 BLOCK_MS = 250
 KEYS_EVERY = 0.5
+#: how often a replicated coordinator's Sentinels are asked where the primary is
+COORD_EVERY = 2.0
 REFRESH = 0.4
 MIN_REDRAW = 0.1
 #: Set by Ctrl-C / SIGTERM: the loops finish their turn and return 0.
@@ -65,12 +67,19 @@ def follow_plain(source: RunSource, model: RunModel, out: TextIO, stop_at_end: b
     """Print one line per event (history first, then as they come); ends at ``run.end``."""
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
     block = 0
+    last_coord = -COORD_EVERY
     while not STOP.is_set():
         events = source.read_events(model.last_id, block_ms=block)
         for e in events:
             text = plain_line(e, model)
             if text:
                 out.write(text + "\n")
+        if time.monotonic() - last_coord >= COORD_EVERY:
+            last_coord = time.monotonic()
+            line = model.set_coordinator(source.read_coordinator(), time.time())
+            if line:
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                out.write(f"{stamp} {line}\n")
         out.flush()
         if stop_at_end and model.ended:
             return 0
@@ -85,7 +94,7 @@ def follow_live(source: RunSource, model: RunModel, console: Console,
     """The full-screen view until Ctrl-C (or ``max_seconds``, for tests)."""
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
     source.catch_up(model)
-    last_keys = last_draw = time.monotonic()
+    last_keys = last_draw = last_coord = time.monotonic()
 
     def screen() -> object:
         return build(model.view(time.time()), console.width, console.height)
@@ -104,6 +113,9 @@ def follow_live(source: RunSource, model: RunModel, console: Console,
             if new_gen or now - last_keys >= KEYS_EVERY:
                 model.set_keys(**source.read_keys())
                 last_keys = now
+            if now - last_coord >= COORD_EVERY:
+                model.set_coordinator(source.read_coordinator(), time.time())
+                last_coord = now
             due = now - last_draw >= REFRESH
             if due or (events and now - last_draw >= MIN_REDRAW):
                 live.update(screen(), refresh=True)

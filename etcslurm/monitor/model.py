@@ -116,6 +116,9 @@ class RunView:
     migration: MigrationView | None
     events: list[LogLine]
     last_event_ts: float | None
+    #: a replicated coordinator's primary, ``"ip:port (node n3), 2 replicas"``; ``None``
+    #: for a single Redis server
+    coordinator: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -268,6 +271,9 @@ class RunModel:
         self.last_id: str = "0"
         self.finished_rank: _Rank | None = None  # set by the event that completed a rank
         self.ended = False
+        self.primary: str | None = None  # replicated coordinator: "ip:port" of the primary
+        self.coordinator: str | None = None  # what the header shows of it
+        self.addresses: dict[str, set[str]] = {}  # worker IP -> its nodes (names a site)
 
     # ---------------------------------------------------------------- events
 
@@ -328,6 +334,8 @@ class RunModel:
             return None
         w.state = "joining"  # the coordinator registers every worker as joining
         w.leave_by = None
+        if d.address and w.node != "?":
+            self.addresses.setdefault(str(d.address), set()).add(w.node)
         return "{who} registered on " + w.node, w.worker
 
     def _on_worker_signal(self, ev: Event) -> Any:
@@ -542,12 +550,39 @@ class RunModel:
             deadline = info.get("leave_deadline")
             if deadline is not None:
                 w.leave_by = _float(deadline)
+            if info.get("address") and w.node != "?":
+                self.addresses.setdefault(str(info["address"]), set()).add(w.node)
         if gen is not None and gen.kind != "end" and (self.gen is None or gen.generation >= self.gen):
             if gen.from_layout and gen.generation - 1 not in self.layout_by_gen:
                 self.layout_by_gen[gen.generation - 1] = gen.from_layout
             self._set_generation(gen.generation, gen.to_layout, gen.world, gen.assignment)
         if self.phase == "waiting" and self.gen is not None:
             self.phase = "running"
+
+    def set_coordinator(self, info: dict[str, Any] | None, ts: float) -> str | None:
+        """Fold where a replicated coordinator's primary is now
+        (:meth:`RunSource.read_coordinator`); a change of primary since the last call is
+        logged as a ``coordinator.primary`` event (hand-over or Sentinel failover), a
+        primary nobody names as ``coordinator.error`` (once).  Returns the new log line."""
+        if info is None:
+            self.coordinator = None
+            return None
+        if "error" in info:
+            was, self.coordinator = self.coordinator, f"no primary: {info['error']}"
+            if was is not None and was.startswith("no primary"):
+                return None
+            return self._log(ts, "coordinator.error", f"coordinator: {info['error']}", None)
+        primary = str(info["primary"])
+        nodes = sorted(self.addresses.get(primary.rsplit(":", 1)[0], ()))
+        where = f" (node {nodes[0]})" if len(nodes) == 1 else ""
+        replicas = int(info.get("replicas") or 0)
+        self.coordinator = (f"primary {primary}{where}, {replicas} "
+                            f"replica{'' if replicas == 1 else 's'}")
+        old, self.primary = self.primary, primary
+        if old is None or old == primary:
+            return None
+        return self._log(ts, "coordinator.primary",
+                         f"coordinator primary moved {old} → {primary}{where}", None)
 
     # ---------------------------------------------------------------- snapshot
 
@@ -613,6 +648,7 @@ class RunModel:
             migration=mig,
             events=[LogLine(x.ts, x.type, x.text, x.count) for x in self.log],
             last_event_ts=self.last_event_ts,
+            coordinator=self.coordinator,
         )
 
     def _migration_view(self, now: float) -> MigrationView | None:

@@ -92,6 +92,8 @@ def header(view: RunView) -> list[Text]:
         "  ",
         (view.layout or "no layout yet", "bold magenta"),
         f" (world {view.world})" if view.world else "",
+        ("  coordinator " if view.coordinator else "", "dim"),
+        (view.coordinator or "", "red" if (view.coordinator or "").startswith("no ") else ""),
     )
     arrow, style = TREND.get(view.loss_trend, ("", ""))
     second = _line(

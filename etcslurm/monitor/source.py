@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from etcslurm.coord import schema
+from etcslurm.coord import failover, schema
 from etcslurm.coord.client import CoordClient, connect, redact
 from etcslurm.coord.coordinator import Coordinator
 from etcslurm.coord.records import Event, parse_event
-from etcslurm.errors import RecordError, UsageError
+from etcslurm.errors import EtcslurmError, RecordError, UsageError
 from etcslurm.monitor.model import Refused, RunModel
 
 ENV_URL = "ETCSLURM_REDIS_URL"
@@ -136,6 +136,18 @@ class RunSource:
             "gen": gen,
         }
 
+    def read_coordinator(self) -> dict[str, Any] | None:
+        """Where a replicated coordinator's primary is now (``{"primary": "ip:port",
+        "replicas": n}``, or ``{"error": ...}`` when no Sentinel names one); ``None`` for
+        a single Redis server.  Fed to :meth:`RunModel.set_coordinator`."""
+        try:
+            now = failover.primary_now(self.client)
+        except EtcslurmError as exc:
+            return {"error": str(exc).splitlines()[0]}
+        if now is None:
+            return None
+        return {"primary": now.text, "replicas": now.replicas_up}
+
     def catch_up(self, model: RunModel) -> int:
         """Fold everything already in the stream, then the keys; returns events read."""
         n = 0
@@ -147,6 +159,7 @@ class RunSource:
             if len(batch) < BATCH:
                 break
         model.set_keys(**self.read_keys())
+        model.set_coordinator(self.read_coordinator(), time.time())
         return n
 
 

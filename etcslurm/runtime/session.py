@@ -34,6 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from etcslurm.coord.coordinator import GONE
+from etcslurm.coord.sentinel import host_address
 from etcslurm.errors import EtcslurmError
 from etcslurm.hooks import NO_HOOKS, Hooks
 from etcslurm.runtime import checkpointing, recovery, transitions
@@ -135,7 +136,9 @@ class ElasticSession:
                             dead_after=opts.dead_after)
         boundary = Boundary(coord, opts)
         boundary.install(trap_for_job(opts.signals, opts.leave_budget, boundary.on_signal))
-        worker_id = coord.register({"node": opts.node, "device": "cpu"})
+        # address: this node's IP, so the monitor can name the node of a coordinator site
+        worker_id = coord.register({"node": opts.node, "device": "cpu",
+                                    "address": host_address()})
         log.info("registered as %s on %s", worker_id, opts.node)
         store = RedisStore(self._client, opts.run_id, "pg")
         world = World(store, self.settings, opts, self.build, self.hooks)
