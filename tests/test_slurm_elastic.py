@@ -449,6 +449,11 @@ def test_preempting_the_job_of_the_coordinators_primary_hands_it_over(
     assert oct(os.stat(url_file).st_mode & 0o777) == "0o600"
     run = Run(url, run_id, 4, run_dir)
     avail = Availability(url, run_id)
+    # a user's monitor (plain mode: one line per event) follows the run through the move
+    mon_out = tmp_path / "monitor.out"
+    with mon_out.open("wb") as fh:
+        monitor = subprocess.Popen([sys.executable, "-m", "etcslurm", "monitor", "--redis", url,
+                                    "--run", run_id], stdout=fh, stderr=subprocess.STDOUT)
     passed = False
     try:
         assert failover.topology(run.coord.client)["primary"] == primary0
@@ -499,7 +504,16 @@ def test_preempting_the_job_of_the_coordinators_primary_hands_it_over(
     finally:
         avail.close()
         if not passed:  # the sites are the run's own: none may outlive a failed test
+            monitor.kill()
             _stop_sites(coord_dir, jobs)
+    try:
+        assert monitor.wait(timeout=60) == 0  # plain mode ends at run.end
+    finally:
+        if monitor.poll() is None:
+            monitor.kill()
+    p0, p1 = (f"{a[0]}:{a[1]}" for a in (primary0, moved[0][1]))
+    shown = mon_out.read_text()
+    assert f"coordinator primary moved {p0} → {p1}" in shown, shown[-2000:]
     took = time.time() - t_submit
     diff = check_losses(run, reference)
     dp = check_data_once(run_dir)

@@ -69,13 +69,15 @@ def primary_now(client: CoordClient) -> PrimaryNow | None:
         return None
     sentinel, service = client.sentinel, client.service
     errors = []
-    for s in list(sentinel.sentinels):
+    for i, s in enumerate(list(sentinel.sentinels)):
         try:
             master = s.sentinel_master(service)
             replicas = s.sentinel_slaves(service)
         except redis.RedisError as exc:
             errors.append(str(exc) or type(exc).__name__)
             continue
+        if i:  # ask this one first next time (as redis-py does): a gone site is skipped
+            sentinel.sentinels[0], sentinel.sentinels[i] = s, sentinel.sentinels[0]
         up = sum(1 for r in replicas if not (_flags(r) & _DOWN))
         return PrimaryNow((str(master["ip"]), int(master["port"])), up)
     raise CoordinatorError(f"no Sentinel of {client.url} named a primary: "
