@@ -287,3 +287,51 @@ def test_hand_over_neither_fails_a_blocked_reader_nor_leaves_sentinels_behind(si
         assert (host, int(port)) == second.new, site.address
         s.close()
     client.close()
+
+
+@pytest.mark.redis
+def test_a_growth_job_adds_a_site_with_coordinator_start_join(tmp_path, run_id, capsys):
+    """``etcslurm coordinator start DIR --join URL --sentinel`` (what ``grow.sbatch`` runs on
+    a new node when the run has fewer sites than it wants): a replica of the primary the
+    Sentinels name, plus a Sentinel the others learn, so the run is back to 3 sites."""
+    import json
+
+    import redis
+
+    from etcslurm.cli import main as cli_main
+
+    two: list[Site] = []
+    new_dir = tmp_path / "s2"
+    try:
+        two.append(Site(tmp_path / "s0", down_after_ms=DOWN_MS, failover_timeout_ms=3000).start())
+        two.append(Site(tmp_path / "s1", password=two[0].password, replica_of=two[0].address,
+                        down_after_ms=DOWN_MS, failover_timeout_ms=3000).start())
+        client = connect(_url(two), retry_deadline=20)
+        assert failover.settle(client, 2)["sites"] == 2
+        coord = Coordinator(client, run_id)
+        wid = coord.register(heartbeat=False)
+        assert coord.publish_generation(generation_record(0, "tp1pp1dp1", [wid]))
+        capsys.readouterr()
+        assert cli_main(["coordinator", "start", str(new_dir), "--join", _url(two),
+                         "--sentinel", "--down-after-ms", str(DOWN_MS), "--json"]) == 0
+        state = json.loads(capsys.readouterr().out)
+        added = tuple(state["address"])
+        top = failover.settle(client, 3, timeout=40)
+        assert top["primary"] == list(two[0].address)
+        assert added in {tuple(r["address"]) for r in top["replicas"]}
+        r = redis.Redis(*added, password=two[0].password)
+        try:  # a replica of the run's primary: it has the run's record
+            assert r.execute_command("ROLE")[0] == b"slave"
+            assert r.get(coord.keys.gen) is not None
+        finally:
+            r.close()
+        # the new site counts for the failover majority: the primary can now be handed
+        # to it or to the other replica
+        done = failover.hand_over(client, only_if=two[0].address)
+        assert done is not None and done.new in (added, two[1].address)
+        assert coord.current_generation().generation == 0  # type: ignore[union-attr]
+        client.close()
+    finally:
+        cli_main(["coordinator", "stop", str(new_dir)])
+        for site in two:
+            site.stop()
