@@ -112,7 +112,8 @@ def faults(**spec: Any) -> dict[str, Any]:
 
 
 #: the step after which the joining scenarios hold every rank until their joiner has
-#: registered (it is spawned after step 1; :class:`~etcslurm.testing.faults.HoldAfterStep`)
+#: registered (it is spawned after step 1; :class:`~etcslurm.testing.faults.HoldAfterStep`):
+#: the change that takes it in then always comes, and no step needs pacing for it
 HOLD_STEP = 2
 
 
@@ -256,7 +257,6 @@ def kill_receiver_mid_migration(redis_url: str, pw: str | None, run_dir: Path, s
     inside the migration to widen the window) it gets SIGKILL: the senders' exchange
     fails, nothing was applied, and the next generation is planned from the old state."""
     opts = _options(redis_url, pw, run_dir, max(steps, 12), schedule="1:join=1;1:killjoiner=1",
-                    min_step_seconds=1.5,
                     **faults(migration_delay=2.0, **_hold_for_joiner(run_dir)))
 
     def inject(run: LocalRun, tracker: Tracker) -> None:
@@ -306,7 +306,7 @@ def _kill_mid_transfer(redis_url: str, pw: str | None, run_dir: Path, steps: int
     cap); once ``old_rank`` of the old world has sent part of its share (its progress
     event after the first round, where the workers pause 3 s), it gets SIGKILL."""
     opts = _options(redis_url, pw, run_dir, max(steps, 12), schedule="1:join=1",
-                    min_step_seconds=1.5, staging_mb=0.5,
+                    staging_mb=0.5,
                     **faults(migration_delay=3.0, **_hold_for_joiner(run_dir)))
     seen: dict[str, Any] = {}
 
@@ -352,7 +352,7 @@ def joiner_never_arrives(redis_url: str, pw: str | None, run_dir: Path, steps: i
     change is planned again without it.  Once that is done it is let go (SIGCONT): it
     must find itself out of the run and not disturb it."""
     opts = _options(redis_url, pw, run_dir, max(steps, 12), schedule="1:join=1",
-                    min_step_seconds=1.5, **faults(**_hold_for_joiner(run_dir)))
+                    **faults(**_hold_for_joiner(run_dir)))
     stalled: list[str] = []
 
     def inject(run: LocalRun, tracker: Tracker) -> None:
