@@ -739,7 +739,8 @@ class Coordinator:
             workers, stores = p.execute()
             names = list(k.fixed())
             names += [k.hb(schema.text(w)) for w in workers]
-            names += [k.store(schema.text(g)) for g in stores]
+            names += [n for g in stores
+                      for n in (k.store(schema.text(g)), k.store_news(schema.text(g)))]
             p = r.pipeline(transaction=False)
             for n in names:
                 p.exists(n)

@@ -64,6 +64,10 @@ class Keys:
         """The hash holding the torch.distributed store of one generation."""
         return f"{self.prefix}store:{generation}"
 
+    def store_news(self, generation: int | str) -> str:
+        """The stream a store's writes notify on, that its ``get``/``wait`` block on."""
+        return f"{self.prefix}store:{generation}:news"
+
     def fixed(self) -> list[str]:
         """The keys whose names do not depend on workers or generations."""
         return [self.spec, self.workers, self.worker_seq, self.gen, self.gen_no, self.news,

@@ -6,11 +6,15 @@ cannot rebuild.  Redis outlives every worker, so each generation's process group
 ``etcslurm:{run}:store:{generation}`` (a hash) and no rank is special.  Values are the raw bytes
 torch.distributed puts there (addresses, counters), never pickled objects.
 
-``add`` uses ``HINCRBY`` and ``compare_set`` a Lua script, so both are atomic across ranks;
-``get`` fetches the value as soon as it is there (one ``HGET`` per try, no separate
-existence check) and ``wait`` asks for all its keys in one command; both retry with a
-short backoff (1 ms doubling to 20 ms) until the store timeout, then raise the
-``DistStoreError`` that torch expects, with the missing keys in the message.
+``add`` uses ``HINCRBY`` and ``compare_set`` a Lua script, so both are atomic across ranks.
+Waiting blocks instead of polling: every write also appends a notice to the store's
+``...:news`` stream, and ``get``/``wait`` check their keys (one command, which also
+returns the stream's newest id) and, while some are missing, block in ``XREAD`` from
+that id, so a write after the check wakes them at once and nothing is lost between the
+two.  A rank that waits W seconds costs a handful of commands, not W / 20 ms polls: with
+polling, 1023 ranks waiting for rank 0's NCCL id sent Redis 68 000 commands in one
+resize at 1024 workers (``benchmarks/resize_coordinator.py``, 12-01).  At the store
+timeout they raise the ``DistStoreError`` that torch expects, naming the missing keys.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ import torch.distributed as dist
 from etcslurm.coord.client import CoordClient
 from etcslurm.coord.schema import Keys
 
-# KEYS[1] hash; ARGV[1] field; ARGV[2] expected; ARGV[3] desired; ARGV[4] ttl ms.  torch
-# semantics: a missing key with an empty ``expected`` is created; on mismatch the current
-# value is returned unchanged.
+# KEYS[1] hash, KEYS[2] its news stream; ARGV[1] field; ARGV[2] expected; ARGV[3]
+# desired; ARGV[4] ttl ms.  torch semantics: a missing key with an empty ``expected`` is
+# created; on mismatch the current value is returned unchanged.
 _COMPARE_SET = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 local out = cur
@@ -37,23 +41,36 @@ if not cur then
 elseif cur == ARGV[2] then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]); out = ARGV[3]
 end
+if out == ARGV[3] then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', 64, '*', 'k', ARGV[1])
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return out
 """
 
-# KEYS[1] hash; ARGV: fields.  Returns the 1-based indexes of the fields not in the hash:
-# one command whatever the number of keys waited for.
+# KEYS[1] hash, KEYS[2] its news stream; ARGV: fields.  Returns {newest news id or '0-0',
+# the 1-based indexes of the fields not in the hash...}: one command whatever the number
+# of keys waited for, and the id to block from.
 _MISSING = """
-local out = {}
+local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local out = {top[1] and top[1][1] or '0-0'}
 for i = 1, #ARGV do
   if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then out[#out + 1] = i end
 end
 return out
 """
 
+# KEYS[1] hash, KEYS[2] its news stream; ARGV[1] field.  {newest news id or '0-0', value}
+_GET = """
+local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+return {top[1] and top[1][1] or '0-0', redis.call('HGET', KEYS[1], ARGV[1])}
+"""
+
 _DEFAULT_TIMEOUT = timedelta(seconds=300)
-#: first and longest pause between two tries of a ``get``/``wait`` (seconds)
-_FIRST_DELAY, _MAX_DELAY = 0.001, 0.02
+#: the longest single block in ``XREAD`` (seconds; under the client's socket timeout,
+#: and how often a waiter checks again even without news)
+_BLOCK_S = 1.0
 
 
 def _bytes(value: str | bytes) -> bytes:
@@ -83,67 +100,78 @@ class RedisStore(dist.Store):
         self.client = client
         self.generation = str(generation)
         self.hash = keys.store(generation)
+        self.news = keys.store_news(generation)
         self._ttl_ms = int(ttl * 1000)
         self._cas = client.redis.register_script(_COMPARE_SET)
         self._missing = client.redis.register_script(_MISSING)
+        self._get = client.redis.register_script(_GET)
         self.set_timeout(timeout)
         client.call("store register", lambda r: r.sadd(keys.stores, self.generation))
 
     # torch calls these from its own threads (gloo), with the GIL taken by the binding.
-    def _write(self, what: str, fn: Callable[[Any], Any]) -> Any:
+    def _write(self, what: str, key: str, fn: Callable[[Any], Any]) -> Any:
         def _tx(r: Any) -> Any:
             p = r.pipeline(transaction=True)
             fn(p)
             p.pexpire(self.hash, self._ttl_ms)
+            p.xadd(self.news, {"k": key}, maxlen=64, approximate=True)
+            p.pexpire(self.news, self._ttl_ms)
             return p.execute()[0]
 
         return self.client.call(what, _tx)
 
+    def _block(self, since: bytes | str, end: float) -> None:
+        """Wait in ``XREAD`` for a write after news id ``since`` (at most :data:`_BLOCK_S`
+        and never past ``end``)."""
+        ms = int(max(0.001, min(_BLOCK_S, end - time.monotonic())) * 1000)
+        self.client.call("store wait", lambda r: r.xread({self.news: since}, count=1, block=ms))
+
     def set(self, key: str, value: str | bytes) -> None:
         v = _bytes(value)
-        self._write(f"store set {key}", lambda p: p.hset(self.hash, key, v))
+        self._write(f"store set {key}", key, lambda p: p.hset(self.hash, key, v))
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting (up to the store timeout) until a rank sets it.
 
-        Each try is one ``HGET`` that returns the value when present: the common case
-        (an NCCL unique id every rank fetches) costs each rank one or a few commands, not
-        a wait loop and then a read."""
+        Each try is one command that returns the value when present (and else the news
+        id to block from): the common case, an NCCL unique id every rank fetches, costs
+        each rank two or three commands however long it waits."""
         limit = self.timeout.total_seconds()
         end = time.monotonic() + limit
-        delay = _FIRST_DELAY
         while True:
-            value = self.client.call(f"store get {key}", lambda r: r.hget(self.hash, key))
+            since, value = self.client.call(
+                f"store get {key}", lambda r: self._get(keys=[self.hash, self.news], args=[key]))
             if value is not None:
                 return bytes(value)
-            left = end - time.monotonic()
-            if left <= 0:
+            if end - time.monotonic() <= 0:
                 raise dist.DistStoreError(
                     f"Timed out after {limit:g} s waiting for store key {key!r} in "
                     f"{self.hash} (a rank of generation {self.generation} never arrived)")
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, _MAX_DELAY)
+            self._block(since, end)
 
     def add(self, key: str, value: int) -> int:
-        return int(self._write(f"store add {key}", lambda p: p.hincrby(self.hash, key, int(value))))
+        return int(self._write(f"store add {key}", key,
+                               lambda p: p.hincrby(self.hash, key, int(value))))
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         out = self.client.call(
             f"store compare_set {key}",
             lambda r: self._cas(
-                keys=[self.hash], args=[key, _bytes(expected), _bytes(desired), self._ttl_ms]
+                keys=[self.hash, self.news],
+                args=[key, _bytes(expected), _bytes(desired), self._ttl_ms],
             ),
         )
         return bytes(out)
 
-    def _absent(self, keys: list[str]) -> list[str]:
-        """The keys not (yet) in the store: one command for any number of keys."""
-        idx = self.client.call("store check", lambda r: self._missing(keys=[self.hash],
-                                                                      args=keys))
-        return [keys[int(i) - 1] for i in idx]
+    def _absent(self, keys: list[str]) -> tuple[bytes, list[str]]:
+        """(the newest news id, the keys not (yet) in the store): one command for any
+        number of keys."""
+        out = self.client.call("store check", lambda r: self._missing(
+            keys=[self.hash, self.news], args=keys))
+        return out[0], [keys[int(i) - 1] for i in out[1:]]
 
     def check(self, keys: list[str]) -> bool:
-        return not self._absent(list(keys)) if keys else True
+        return not self._absent(list(keys))[1] if keys else True
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         keys = list(keys)
@@ -151,20 +179,17 @@ class RedisStore(dist.Store):
             return
         limit = (timeout if timeout is not None else self.timeout).total_seconds()
         end = time.monotonic() + limit
-        delay = _FIRST_DELAY
         while True:
-            missing = self._absent(keys)
+            since, missing = self._absent(keys)
             if not missing:
                 return
             keys = missing  # the others are there; stores only grow while ranks meet
-            left = end - time.monotonic()
-            if left <= 0:
+            if end - time.monotonic() <= 0:
                 raise dist.DistStoreError(
                     f"Timed out after {limit:g} s waiting for store keys {missing} in "
                     f"{self.hash} (a rank of generation {self.generation} never arrived)"
                 )
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, _MAX_DELAY)
+            self._block(since, end)
 
     def delete_key(self, key: str) -> bool:
         return int(self.client.call("store delete", lambda r: r.hdel(self.hash, key))) > 0
@@ -174,4 +199,4 @@ class RedisStore(dist.Store):
 
     def clear(self) -> None:
         """Delete this generation's store (once every rank has joined the group)."""
-        self.client.call("store clear", lambda r: r.unlink(self.hash))
+        self.client.call("store clear", lambda r: r.unlink(self.hash, self.news))
