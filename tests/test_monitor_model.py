@@ -262,8 +262,8 @@ def test_coordinator_primary_moves_and_outages_are_logged_once() -> None:
     line = model.set_coordinator({"primary": "10.0.0.2:6379", "replicas": 1}, 2.0)
     assert line == "coordinator primary moved 10.0.0.1:6379 → 10.0.0.2:6379 (node n2)"
     assert model.coordinator == "primary 10.0.0.2:6379 (node n2), 1 replica"
-    err = {"error": "no Sentinel of X named a primary: timeout"}
-    assert model.set_coordinator(err, 3.0) == "coordinator: no Sentinel of X named a primary: timeout"
+    err = {"error": "no Sentinel of X answered: timeout"}
+    assert model.set_coordinator(err, 3.0) == "coordinator: no Sentinel of X answered: timeout"
     assert model.set_coordinator(err, 4.0) is None  # an outage is one line, not one per poll
     view = model.view(5.0)
     assert view.coordinator.startswith("no primary")

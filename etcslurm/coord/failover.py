@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -47,6 +48,27 @@ def _flags(entry: dict[str, Any]) -> set[str]:
 
 _DOWN = {"s_down", "o_down", "disconnected"}
 
+T = TypeVar("T")
+
+
+def _first_answer(client: CoordClient, ask: Callable[[Any], T]) -> tuple[Any, T]:
+    """(the Sentinel, ``ask(sentinel)``) of the first of the client's Sentinels that
+    answers; that one is asked first next time (as redis-py does), so a gone site is
+    skipped.  Raises :class:`CoordinatorError` naming every Sentinel's error."""
+    sentinel = _need_sentinel(client)
+    errors = []
+    for i, s in enumerate(list(sentinel.sentinels)):
+        try:
+            answer = ask(s)
+        except redis.RedisError as exc:
+            errors.append(str(exc) or type(exc).__name__)
+            continue
+        if i:
+            sentinel.sentinels[0], sentinel.sentinels[i] = s, sentinel.sentinels[0]
+        return s, answer
+    raise CoordinatorError(
+        f"no Sentinel of {client.url} answered: {'; '.join(errors) or 'none listed'}")
+
 
 @dataclass(frozen=True)
 class PrimaryNow:
@@ -67,21 +89,11 @@ def primary_now(client: CoordClient) -> PrimaryNow | None:
     :class:`CoordinatorError` when no Sentinel answers or none names a primary."""
     if client.sentinel is None or not client.service:
         return None
-    sentinel, service = client.sentinel, client.service
-    errors = []
-    for i, s in enumerate(list(sentinel.sentinels)):
-        try:
-            master = s.sentinel_master(service)
-            replicas = s.sentinel_slaves(service)
-        except redis.RedisError as exc:
-            errors.append(str(exc) or type(exc).__name__)
-            continue
-        if i:  # ask this one first next time (as redis-py does): a gone site is skipped
-            sentinel.sentinels[0], sentinel.sentinels[i] = s, sentinel.sentinels[0]
-        up = sum(1 for r in replicas if not (_flags(r) & _DOWN))
-        return PrimaryNow((str(master["ip"]), int(master["port"])), up)
-    raise CoordinatorError(f"no Sentinel of {client.url} named a primary: "
-                           f"{'; '.join(errors) or 'none listed'}")
+    service = client.service
+    _, (master, replicas) = _first_answer(
+        client, lambda s: (s.sentinel_master(service), s.sentinel_slaves(service)))
+    up = sum(1 for r in replicas if not (_flags(r) & _DOWN))
+    return PrimaryNow((str(master["ip"]), int(master["port"])), up)
 
 
 def topology(client: CoordClient) -> dict[str, Any]:
@@ -92,49 +104,39 @@ def topology(client: CoordClient) -> dict[str, Any]:
     are up (as the primary reports them, else as the Sentinels do) — compare it with the
     target number of sites.
     """
-    sentinel = _need_sentinel(client)
     service = client.service
-    errors = []
-    for s in list(sentinel.sentinels):
+    s, (master, replicas, peers) = _first_answer(client, lambda s: (
+        s.sentinel_master(service), s.sentinel_slaves(service), s.sentinel_sentinels(service)))
+    conn = s.connection_pool.connection_kwargs
+    reps = [{"address": [r["ip"], int(r["port"])], "flags": sorted(_flags(r)),
+             "up": not (_flags(r) & _DOWN),
+             "offset": int(r.get("slave-repl-offset", 0) or 0)} for r in replicas]
+    sens = [{"address": [p["ip"], int(p["port"])], "flags": sorted(_flags(p)),
+             "up": not (_flags(p) & _DOWN)} for p in peers]
+    sens.insert(0, {"address": [conn.get("host"), conn.get("port")], "flags": ["self"],
+                    "up": True})
+    primary_up = not (_flags(master) & _DOWN)
+    known = int(primary_up) + sum(r["up"] for r in reps)
+    sites = known
+    try:  # the primary knows its replicas at once; Sentinels only every 10 s
+        prim = _direct(client, (master["ip"], int(master["port"])), 2.0)
         try:
-            master = s.sentinel_master(service)
-            replicas = s.sentinel_slaves(service)
-            peers = s.sentinel_sentinels(service)
-        except redis.RedisError as exc:
-            errors.append(str(exc))
-            continue
-        conn = s.connection_pool.connection_kwargs
-        reps = [{"address": [r["ip"], int(r["port"])], "flags": sorted(_flags(r)),
-                 "up": not (_flags(r) & _DOWN),
-                 "offset": int(r.get("slave-repl-offset", 0) or 0)} for r in replicas]
-        sens = [{"address": [p["ip"], int(p["port"])], "flags": sorted(_flags(p)),
-                 "up": not (_flags(p) & _DOWN)} for p in peers]
-        sens.insert(0, {"address": [conn.get("host"), conn.get("port")], "flags": ["self"],
-                        "up": True})
-        primary_up = not (_flags(master) & _DOWN)
-        known = int(primary_up) + sum(r["up"] for r in reps)
-        sites = known
-        try:  # the primary knows its replicas at once; Sentinels only every 10 s
-            prim = _direct(client, (master["ip"], int(master["port"])), 2.0)
-            try:
-                sites = max(sites, 1 + len(_replication(prim)[1]))
-            finally:
-                prim.close()
-        except redis.RedisError:
-            pass
-        return {
-            "service": service,
-            "primary": [master["ip"], int(master["port"])],
-            "primary_up": primary_up,
-            "replicas": reps,
-            "sentinels": sens,
-            "sites": sites,
-            "known_sites": known,  # as the Sentinels see them (they can fail over to these)
-            "sentinels_up": sum(x["up"] for x in sens),
-            "quorum": int(master.get("quorum", 0) or 0),
-        }
-    raise CoordinatorError(
-        f"no Sentinel of {client.url} answered: {'; '.join(errors) or 'none listed'}")
+            sites = max(sites, 1 + len(_replication(prim)[1]))
+        finally:
+            prim.close()
+    except redis.RedisError:
+        pass
+    return {
+        "service": service,
+        "primary": [master["ip"], int(master["port"])],
+        "primary_up": primary_up,
+        "replicas": reps,
+        "sentinels": sens,
+        "sites": sites,
+        "known_sites": known,  # as the Sentinels see them (they can fail over to these)
+        "sentinels_up": sum(x["up"] for x in sens),
+        "quorum": int(master.get("quorum", 0) or 0),
+    }
 
 
 @dataclass(frozen=True)

@@ -49,12 +49,18 @@ redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return out
 """
 
+# the id of the newest notice on KEYS[2] (a store's news stream), '0-0' when it has none:
+# the id a waiter blocks from
+_NEWEST = """
+local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local newest = top[1] and top[1][1] or '0-0'
+"""
+
 # KEYS[1] hash, KEYS[2] its news stream; ARGV: fields.  Returns {newest news id or '0-0',
 # the 1-based indexes of the fields not in the hash...}: one command whatever the number
 # of keys waited for, and the id to block from.
-_MISSING = """
-local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-local out = {top[1] and top[1][1] or '0-0'}
+_MISSING = _NEWEST + """
+local out = {newest}
 for i = 1, #ARGV do
   if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then out[#out + 1] = i end
 end
@@ -62,9 +68,8 @@ return out
 """
 
 # KEYS[1] hash, KEYS[2] its news stream; ARGV[1] field.  {newest news id or '0-0', value}
-_GET = """
-local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-return {top[1] and top[1][1] or '0-0', redis.call('HGET', KEYS[1], ARGV[1])}
+_GET = _NEWEST + """
+return {newest, redis.call('HGET', KEYS[1], ARGV[1])}
 """
 
 _DEFAULT_TIMEOUT = timedelta(seconds=300)

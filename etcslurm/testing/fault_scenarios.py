@@ -115,12 +115,14 @@ def faults(**spec: Any) -> dict[str, Any]:
 #: registered (it is spawned after step 1; :class:`~etcslurm.testing.faults.HoldAfterStep`):
 #: the change that takes it in then always comes, and no step needs pacing for it
 HOLD_STEP = 2
+#: the file (in the run directory) whose existence releases that hold
+JOINED_FILE = "joiner-registered"
 
 
 def _hold_for_joiner(run_dir: Path) -> dict[str, Any]:
     """The ``hold`` fault that keeps the run at :data:`HOLD_STEP` until
     :func:`_release_when_joined` lets it go."""
-    return {"hold": {"step": HOLD_STEP, "file": str(run_dir / "joiner-registered"),
+    return {"hold": {"step": HOLD_STEP, "file": str(run_dir / JOINED_FILE),
                      "timeout": 240.0}}
 
 
@@ -128,7 +130,7 @@ def _release_when_joined(inject: Callable[[LocalRun, Tracker], None], run_dir: P
                          initial: int = 3) -> Callable[[LocalRun, Tracker], None]:
     """``inject``, and the hold of :func:`_hold_for_joiner` released once a worker beyond
     the ``initial`` ones has registered (the change that takes it in then always comes)."""
-    go = run_dir / "joiner-registered"
+    go = run_dir / JOINED_FILE
 
     def tick(run: LocalRun, tracker: Tracker) -> None:
         if len(run.by_worker) > initial and not go.exists():
