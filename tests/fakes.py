@@ -166,6 +166,7 @@ class FakeWorld:
     saved: list[str] = field(default_factory=list)
     loaded: list[str] = field(default_factory=list)
     votes: list[bool] = field(default_factory=list)
+    retired: list[Any] = field(default_factory=list)  # models replaced at a resize
     analytic: bool = False
 
     def form_and_build(self, generation: int, layout: ParallelConfig, rank: int) -> FakeTrainee:
@@ -188,6 +189,9 @@ class FakeWorld:
     def vote(self, change: bool, rank: int, candidate: bool) -> tuple[bool, int | None]:
         self.votes.append(change)
         return change, rank if candidate else None
+
+    def retire(self, trainee: Any) -> None:
+        self.retired.append(trainee)
 
     def barrier(self) -> None:
         """Nothing to wait for: one process."""

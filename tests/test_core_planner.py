@@ -16,7 +16,7 @@ from etcslurm.core import planner as planner_mod
 from etcslurm.core.layout import ParallelConfig, valid_configs
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.planner import MigrationPlan, PlanInputs, gpt_inputs, plan
-from etcslurm.core.state import box_relative, locate
+from etcslurm.core.state import Piece, box_relative, locate
 
 SPEC = GPTSpec(layers=4, hidden=32, heads=4, ffn=64, vocab=200, seq=16)
 
@@ -212,9 +212,10 @@ def _scan_schedule(chunks, leaving, dev_key=None):
     from etcslurm.core.planner import _dev_key
 
     leaving = set(leaving)
+    key = _dev_key if dev_key is None else dev_key.__getitem__  # the planner's device ids
     order = sorted(range(len(chunks)),
                    key=lambda k: (chunks[k][0] not in leaving, -chunks[k][3],
-                                  _dev_key(chunks[k][0]), _dev_key(chunks[k][1]), k))
+                                  key(chunks[k][0]), key(chunks[k][1]), k))
     sending, receiving, out = defaultdict(set), defaultdict(set), []
     for k in order:
         src, dst = chunks[k][0], chunks[k][1]
@@ -261,7 +262,7 @@ def test_stage_leave_matches_the_reference(opt, staging):
 def test_box_helpers_match_box_intersect():
     import random
 
-    from etcslurm.core.planner import _common_numel, _meets, _subtract_inside
+    from etcslurm.core.planner import _common_numel, _intersect, _meets, _piece, _subtract_inside
     from etcslurm.core.state import box_intersect, box_numel, box_subtract
 
     rng = random.Random(0)
@@ -271,7 +272,12 @@ def test_box_helpers_match_box_intersect():
         b = tuple(sorted(rng.sample(range(8), 2)) for _ in range(nd))
         a, b = tuple(map(tuple, a)), tuple(map(tuple, b))
         inter = box_intersect(a, b)
+        assert _intersect(a, b) == inter
         assert _meets(a, b) == (inter is not None)
+        p = _piece("k", a, "bfloat16")  # the fast constructor makes the same Piece
+        assert p == Piece("k", a, "bfloat16") and hash(p) == hash(Piece("k", a, "bfloat16"))
+        assert p.nbytes == Piece("k", a, "bfloat16").nbytes == 2 * box_numel(a)
+        assert p.to_json() == Piece("k", a, "bfloat16").to_json()
         assert _common_numel(a, b) == (box_numel(inter) if inter else 0)
         if inter:
             assert _subtract_inside(a, inter) == box_subtract(a, b)

@@ -24,6 +24,10 @@ from etcslurm.runtime.launcher import LOSS_TOLERANCE
 from etcslurm.testing import fault_scenarios as fm
 from tests.helpers import pids_alive
 
+#: mostly waiting on detection timers (dead_after, collective timeouts): sbin/test runs
+#: these beside the CPU-bound tests
+pytestmark = pytest.mark.waits
+
 STEPS = 6
 #: the shared reference (tests/conftest.py) covers the longest scenario (12 steps)
 

@@ -69,6 +69,21 @@ def test_a_model_built_anew_where_nothing_moves_is_filled_from_its_own_old_tenso
         _copy_own([(a, old_a)], [(b, torch.zeros(4))], "here")
 
 
+def test_a_kept_model_is_checked_against_the_pieces_its_new_rank_needs() -> None:
+    """A kept model is not described and copied onto itself: its held pieces must be
+    every piece the new rank needs, else the change is refused naming the first."""
+    import torch
+
+    from etcslurm.errors import MigrationError
+    from etcslurm.runtime.migration import _check_held
+
+    a, b = Piece("a", ((0, 4),), "float32"), Piece("b", ((0, 4),), "float32")
+    held = [(a, torch.zeros(4)), (b, torch.zeros(4))]
+    _check_held(held, [b, a], "here")
+    with pytest.raises(MigrationError, match=r"here: nothing was to move.*Piece\(key='c'"):
+        _check_held(held, [a, Piece("c", ((0, 4),), "float32")], "here")
+
+
 def test_only_a_dp_only_change_that_keeps_the_coordinate_keeps_the_model() -> None:
     from etcslurm.core.layout import ParallelConfig as P
     from etcslurm.megatron.regroup import can_keep

@@ -20,7 +20,7 @@ from etcslurm.slurm.submission import submit
 from etcslurm.testing import probe
 from tests.helpers import job_state, sh, wait_for
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.waits]
 SLURM_TIMER = 30.0  # slurmctld checks signals/time limits/grace every 30 s
 
 

@@ -41,7 +41,7 @@ from tests.helpers import job_state, sh
 from tests.helpers import wait_for as _wait_for
 
 # the runs train real models on 2 shared cores: allow more than the default 600 s
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slurm, pytest.mark.waits, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 SLURM_TIMER = 30.0  # slurmctld checks signals, time limits and grace times every 30 s
 # The runs use their own preemptable partition with a production-like GraceTime: the lab's

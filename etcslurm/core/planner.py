@@ -17,12 +17,14 @@ same key are disjoint (shards are disjoint, replicas identical).
 from __future__ import annotations
 
 import bisect
+import gc
 import heapq
 import json
 import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from heapq import heapreplace
 from operator import attrgetter
 
 import numpy as np
@@ -32,7 +34,6 @@ from etcslurm.core.gpt_state import DEFAULT_VOCAB_PAD_TP
 from etcslurm.core.state import (
     Box,
     Piece,
-    box_intersect,
     dtype_bytes,
     locate,
 )
@@ -256,6 +257,32 @@ def _common_numel(a: Box, b: Box) -> int:
     return n
 
 
+def _intersect(a: Box, b: Box) -> Box | None:
+    """:func:`box_intersect` without its rank check (pieces of one key share a rank)."""
+    out = []
+    for (alo, ahi), (blo, bhi) in zip(a, b, strict=False):
+        lo = alo if alo > blo else blo
+        hi = ahi if ahi < bhi else bhi
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+_new_object = object.__new__
+
+
+def _piece(key: str, box: Box, dtype: str) -> Piece:
+    """``Piece(key, box, dtype)`` without the frozen dataclass' ``__init__`` (one
+    ``object.__setattr__`` per field, ~3x the cost): the planner makes ~10^6 of them."""
+    p = _new_object(Piece)
+    d = p.__dict__
+    d["key"] = key
+    d["box"] = box
+    d["dtype"] = dtype
+    return p
+
+
 def _subtract_inside(a: Box, inter: Box) -> list[Box]:
     """``box_subtract(a, b)`` given ``inter = box_intersect(a, b)`` (not None): the same
     boxes in the same order, without intersecting again."""
@@ -281,26 +308,34 @@ class _Index:
         holders: list[list[int]] = []
         self.block_sets: list[frozenset[Piece]] = []
         self.block_keys: list[dict] = []  # key → pieces (holders) or key → None
+        ids, plist = self.id, self.pieces
         for b, pieces in enumerate(blocks):
-            by_key: dict[str, list[Piece]] = defaultdict(list)
             for p in pieces:
-                if holders_side:
-                    by_key[p.key].append(p)
-                i = self.id.get(p)
+                i = ids.get(p)
                 if i is None:
-                    i = self.id[p] = len(self.pieces)
-                    self.pieces.append(p)
-                    holders.append([])
-                if not holders[i] or holders[i][-1] != b:
-                    holders[i].append(b)
+                    ids[p] = len(plist)
+                    plist.append(p)
+                    holders.append([b])
+                else:
+                    hl = holders[i]
+                    if hl[-1] != b:
+                        hl.append(b)
             if holders_side:
                 self.block_sets.append(frozenset(pieces))
+                by_key: dict[str, list[Piece]] = {}
+                for p in pieces:
+                    lst = by_key.get(p.key)
+                    if lst is None:
+                        by_key[p.key] = [p]
+                    else:
+                        lst.append(p)
                 for lst in by_key.values():  # in Piece order, once (fragments walks them)
-                    lst.sort(key=_piece_order)
-                self.block_keys.append(dict(by_key))
+                    if len(lst) > 1:
+                        lst.sort(key=_piece_order)
+                self.block_keys.append(by_key)
             else:
                 self.block_keys.append(dict.fromkeys(p.key for p in pieces))
-        self.block_bytes = [sum(p.nbytes for p in pieces) for pieces in blocks]
+        self.block_bytes = [sum([p.nbytes for p in pieces]) for pieces in blocks]
         # holder block sets, interned
         self.set_id: dict[tuple[int, ...], int] = {}
         self.sets: list[tuple[int, ...]] = []
@@ -333,24 +368,28 @@ class _Index:
         # per key: groups of pieces with the same axis-0 interval, each sorted on axis 1
         by_group: dict[str, dict[tuple[int, int], list[int]]] = defaultdict(
             lambda: defaultdict(list))
-        for i, p in enumerate(self.pieces):
+        for i, p in enumerate(plist):
             by_group[p.key][p.box[0] if p.box else (0, 1)].append(i)
         for key, groups in by_group.items():
             entries = []
-            for (lo0, hi0), ids in sorted(groups.items()):
+            for (lo0, hi0), members in sorted(groups.items()):
                 # thin (one index on axis 1) and thick pieces apart: thin ones get an exact
-                # window, thick ones (few) a window as wide as the widest of them
+                # window, thick ones (few) a window as wide as the widest of them; each
+                # sorted by (axis-1 start, id)
+                thin: list[tuple[int, int, int]] = []
+                thick: list[tuple[int, int, int]] = []
+                for i in members:
+                    box = plist[i].box
+                    if len(box) > 1:
+                        lo1, hi1 = box[1]
+                        (thin if hi1 - lo1 == 1 else thick).append((lo1, i, hi1 - lo1))
+                    else:
+                        thick.append((0, i, 1))
                 parts = []
-                for thin in (True, False):
-                    sel = [i for i in ids if (len(self.pieces[i].box) > 1 and (
-                        self.pieces[i].box[1][1] - self.pieces[i].box[1][0] == 1)) == thin]
-                    sel.sort(key=lambda i: (self.pieces[i].box[1][0]
-                                            if len(self.pieces[i].box) > 1 else 0, i))
-                    los1 = [self.pieces[i].box[1][0] if len(self.pieces[i].box) > 1 else 0
-                            for i in sel]
-                    max1 = max(((self.pieces[i].box[1][1] - self.pieces[i].box[1][0])
-                                if len(self.pieces[i].box) > 1 else 1 for i in sel), default=1)
-                    parts.append((sel, los1, max1))
+                for sel in (thin, thick):
+                    sel.sort()  # ids are unique: the width is never compared
+                    parts.append(([t[1] for t in sel], [t[0] for t in sel],
+                                  max([t[2] for t in sel], default=1)))
                 entries.append((lo0, hi0, parts))
             max0 = max(e[1] - e[0] for e in entries)
             self.by_key[key] = ([e[0] for e in entries], entries, max0)
@@ -386,7 +425,12 @@ class _Index:
                         cand = ids
                     box = p.box
                     pieces = self.pieces
-                    out.extend(i for i in cand if _meets(pieces[i].box, box))
+                    for i in cand:  # _meets inlined (called ~10^5-10^6 times)
+                        for (alo, ahi), (blo, bhi) in zip(pieces[i].box, box, strict=False):
+                            if alo >= bhi or blo >= ahi:
+                                break
+                        else:
+                            out.append(i)
         out.sort()
         self._overlap_cache[p] = out
         return out
@@ -403,6 +447,21 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPl
     if assignment is not None:
         _check_assignment(inputs, assignment)
     t0 = time.perf_counter()
+    # Why no garbage collector: planning allocates millions of small tuples and pieces and
+    # frees almost none of them before it returns, so every generation-2 pass walks the
+    # whole growing heap for nothing (~40 % of the time at 8k devices).  The planner builds
+    # no reference cycles; collection resumes on return.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan(inputs, assignment, t0)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _plan(inputs: PlanInputs, assignment: list[str] | None, t0: float) -> MigrationPlan:
+    """:func:`plan` with the garbage collector off (``t0``: when the clock started)."""
     inputs.validate()
     old = _Index(inputs.old_blocks, inputs.old_class_blocks)
     new = _Index(inputs.new_blocks, inputs.new_class_blocks, holders_side=False)
@@ -494,17 +553,34 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPl
         r_cls = sorted({inputs.new_rank_class[r] for r in ranks})
         ri = {c: k for k, c in enumerate(r_cls)}
         w = np.zeros((len(d_cls), len(r_cls)), dtype=np.float64)
-        row_cache: dict[int, np.ndarray] = {}
+        # each holder set's gains per rank class, once: a dense row when it reaches many
+        # classes (a replicated block), else (column, bytes) pairs (a ZeRO-1 shard meets
+        # one or two new shards, where a numpy call per set would cost more than the adds).
+        # Every partial sum is an integer below 2**53, so the order of the float adds
+        # cannot change w.
+        row_cache: dict[int, np.ndarray | list[tuple[int, int]]] = {}
         for a, oc in enumerate(d_cls):
+            wa = w[a]
             for so in old.sets_of_class[oc]:
-                vec = row_cache.get(so)
-                if vec is None:
-                    vec = np.zeros(len(r_cls), dtype=np.float64)
+                ent = row_cache.get(so)
+                if ent is None:
+                    acc: dict[int, int] = defaultdict(int)
                     for sn, b in terms_by_old.get(so, {}).items():
-                        idx = [ri[c] for c in new.classes_of_set(sn) if c in ri]
-                        vec[idx] += b
-                    row_cache[so] = vec
-                w[a] += vec
+                        for c in new.classes_of_set(sn):
+                            k = ri.get(c)
+                            if k is not None:
+                                acc[k] += b
+                    if len(acc) > 8:
+                        ent = np.zeros(len(r_cls), dtype=np.float64)
+                        ent[list(acc)] = list(acc.values())
+                    else:
+                        ent = list(acc.items())
+                    row_cache[so] = ent
+                if isinstance(ent, list):
+                    for k, b in ent:
+                        wa[k] += b
+                else:
+                    wa += ent
         di = {c: k for k, c in enumerate(d_cls)}
         pairs_ab = _assign(w, [di[inputs.old_device_class[d]] for d in devs],
                            [ri[inputs.new_rank_class[r]] for r in ranks])
@@ -537,16 +613,23 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPl
         naive_overlap += overlap(inputs.old_device_class.get(d), inputs.new_rank_class[r])
 
     # ---- sources
-    devices_of_class: dict[int, list[str]] = defaultdict(list)
+    # devices as ints in device-key order from here on: ties "to the lowest device key"
+    # become ties to the lowest int, and a (src, dst) pair is one int ``src * n_dev + dst``
+    # whose order is the (src, dst) device-key order
+    names = sorted(dev_key, key=dev_key.__getitem__)
+    did = {d: k for k, d in enumerate(names)}
+    n_dev = len(names)
+    node_id: dict[str, int] = {}
+    node_of = [node_id.setdefault(inputs.nodes[d], len(node_id)) for d in names]
+    devices_of_class: dict[int, list[int]] = defaultdict(list)
     for d in old_devices:
-        devices_of_class[inputs.old_device_class[d]].append(d)
-    cand_cache: dict[int, list[str]] = {}
+        devices_of_class[inputs.old_device_class[d]].append(did[d])
+    cand_cache: dict[int, list[int]] = {}
 
-    def candidates(s: int) -> list[str]:
+    def candidates(s: int) -> list[int]:
         hit = cand_cache.get(s)
         if hit is None:
-            hit = sorted((d for c in old.classes_of_set(s) for d in devices_of_class[c]),
-                         key=_dev_key)
+            hit = sorted(d for c in old.classes_of_set(s) for d in devices_of_class[c])
             cand_cache[s] = hit
         return hit
 
@@ -562,69 +645,88 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPl
         if hit is not None:
             return hit
         held_sets = [old.block_sets[b] for b in rel]
+        one = held_sets[0] if len(held_sets) == 1 else None
         local: list[Piece] = []
         remote: list[tuple[Piece, int]] = []
         missing: list[Piece] = []
+        old_pieces = old.pieces
+        # The cuts below are box_intersect / box_subtract in the same order as ever; the
+        # shortcuts only skip work whose result is known: a region inside the holder is
+        # the fragment itself (nothing left over), and the whole piece as fragment is the
+        # piece (no new object).
         for p in inputs.new_blocks[nb]:
-            if any(p in hs for hs in held_sets):
+            if (p in one) if one is not None else any(p in hs for hs in held_sets):
                 local.append(p)
                 continue
-            regions: list[Box] = [p.box]
-            if len(rel) == 1:
-                held = old.block_keys[rel[0]].get(p.key, ())
+            pkey, pbox, pdt = p.key, p.box, p.dtype
+            regions: list[Box] = [pbox]
+            if one is not None:
+                held = old.block_keys[rel[0]].get(pkey, ())
+            elif not rel:
+                held = ()
             else:
-                held = sorted((h for b in rel for h in old.block_keys[b].get(p.key, ())),
+                held = sorted((h for b in rel for h in old.block_keys[b].get(pkey, ())),
                               key=_piece_order)
             for h in held:
+                hb = h.box
                 nxt: list[Box] = []
                 for r in regions:
-                    inter = box_intersect(r, h.box)
+                    inter = _intersect(r, hb)
                     if inter is None:
                         nxt.append(r)
+                    elif inter == r:
+                        local.append(p if r is pbox else _piece(pkey, r, pdt))
                     else:
-                        local.append(Piece(p.key, inter, p.dtype))
-                        nxt.extend(_subtract_inside(r, inter))
-                regions = nxt
-            if not regions:
-                continue
-            for i in old.overlapping(p):
-                h = old.pieces[i]
-                nxt = []
-                for r in regions:
-                    inter = box_intersect(r, h.box)
-                    if inter is None:
-                        nxt.append(r)
-                    else:
-                        remote.append((Piece(p.key, inter, p.dtype), i))
+                        local.append(_piece(pkey, inter, pdt))
                         nxt.extend(_subtract_inside(r, inter))
                 regions = nxt
                 if not regions:
                     break
-            missing.extend(Piece(p.key, r, p.dtype) for r in regions)
+            if not regions:
+                continue
+            for i in old.overlapping(p):
+                hb = old_pieces[i].box
+                nxt = []
+                for r in regions:
+                    inter = _intersect(r, hb)
+                    if inter is None:
+                        nxt.append(r)
+                    elif inter == r:
+                        remote.append((p if r is pbox else _piece(pkey, r, pdt), i))
+                    else:
+                        remote.append((_piece(pkey, inter, pdt), i))
+                        nxt.extend(_subtract_inside(r, inter))
+                regions = nxt
+                if not regions:
+                    break
+            missing.extend(_piece(pkey, r, pdt) for r in regions)
         rem = []
         for frag, i in remote:
             s = old.piece_set[i]
-            rem.append((frag, s, frag.nbytes, candidates(s)))
+            cands = candidates(s)
+            # the one source when there is no choice (-1: none left), else None: pick
+            single = (cands[0] if cands else -1) if len(cands) < 2 else None
+            rem.append((frag, s, frag.nbytes, cands, single))
         hit = (local, sum(p.nbytes for p in local), rem, missing,
                sum(p.nbytes for p in missing))
         frag_cache[key] = hit
         return hit
 
-    picker = _SourcePicker(inputs.nodes, dev_key)
+    picker = _SourcePicker(node_of, range(n_dev))
     send_load = picker.load
     pick = picker.pick
-    pairs: dict[tuple[str, str], list[Piece]] = defaultdict(list)
-    pair_bytes: dict[tuple[str, str], int] = defaultdict(int)
+    pairs: dict[int, list[Piece]] = {}  # src * n_dev + dst → slices
+    pair_bytes: dict[int, int] = {}
     local_out: dict[str, list[Piece]] = {}
     missing_out: dict[str, list[Piece]] = {}
     local_bytes = missing_bytes = 0
-    nodes = inputs.nodes
     for r in range(n_new):
         d = final[r]
         nc = inputs.new_rank_class[r]
         oc = inputs.old_device_class.get(d)
         held_blocks = tuple(inputs.old_class_blocks[oc]) if oc is not None else ()
-        node = nodes[d]
+        dd = did[d]
+        node = node_of[dd]
         for nb in inputs.new_class_blocks[nc]:
             loc, lb, rem, miss, mb = fragments(held_blocks, nb)
             if loc:
@@ -633,27 +735,34 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPl
             if miss:
                 missing_out.setdefault(d, []).extend(miss)
                 missing_bytes += mb
-            for frag, s, nbytes, cands in rem:
-                if not cands:  # its holders are gone (dead): a checkpoint must supply it
+            for frag, s, nbytes, cands, single in rem:
+                if single is None:
+                    src = pick(s, cands, node, nbytes)
+                elif single < 0:  # its holders are gone (dead): a checkpoint must supply it
                     missing_out.setdefault(d, []).append(frag)
                     missing_bytes += nbytes
                     continue
-                if len(cands) == 1:
-                    src = cands[0]
-                    send_load[src] += nbytes
                 else:
-                    src = pick(s, cands, node, nbytes)
-                pair = (src, d)
-                pairs[pair].append(frag)
-                pair_bytes[pair] += nbytes
+                    src = single
+                    send_load[src] += nbytes
+                pair = src * n_dev + dd
+                lst = pairs.get(pair)
+                if lst is None:
+                    pairs[pair] = [frag]
+                    pair_bytes[pair] = nbytes
+                else:
+                    lst.append(frag)
+                    pair_bytes[pair] += nbytes
     need_bytes = sum(new.class_bytes[c] for c in inputs.new_rank_class)
 
     # ---- coalesce, split under the cap, schedule rounds
     cap = inputs.staging_bytes
-    chunks: list[tuple[str, str, list[Piece], int]] = []
-    for (src, dst) in sorted(pairs, key=lambda sd: (dev_key[sd[0]], dev_key[sd[1]])):
-        slices = sorted(pairs[(src, dst)], key=_piece_order)
-        total = pair_bytes[(src, dst)]
+    chunks: list[tuple[int, int, list[Piece], int]] = []
+    for pair in sorted(pairs):
+        src, dst = divmod(pair, n_dev)
+        slices = pairs[pair]
+        slices.sort(key=_piece_order)
+        total = pair_bytes[pair]
         if total <= cap:  # one message, no slice split (each is at most the total)
             chunks.append((src, dst, slices, total))
             continue
@@ -668,17 +777,27 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPl
                 cur_bytes += part.nbytes
         if cur:
             chunks.append((src, dst, cur, cur_bytes))
-    messages = [Message(rnd, src, dst, slices, nbytes)
-                for rnd, (src, dst, slices, nbytes) in _schedule(chunks, leaving, dev_key)]
-    messages.sort(key=lambda m: (m.round, dev_key[m.src], dev_key[m.dst]))
+    placed = _schedule(chunks, {did[d] for d in leaving}, range(n_dev))
+    # message order: (round, src, dst), one int each (a device sends once per round)
+    n_pairs = n_dev * n_dev
+    placed.sort(key=lambda rc: rc[0] * n_pairs + rc[1][0] * n_dev + rc[1][1])
+    messages = [Message(rnd, names[src], names[dst], slices, nbytes)
+                for rnd, (src, dst, slices, nbytes) in placed]
 
-    moved = sum(m.nbytes for m in messages)
-    inter = sum(m.nbytes for m in messages if nodes[m.src] != nodes[m.dst])
-    sent: dict[str, int] = defaultdict(int)
-    recv: dict[str, int] = defaultdict(int)
-    for m in messages:
-        sent[m.src] += m.nbytes
-        recv[m.dst] += m.nbytes
+    moved = inter = peak = 0
+    rounds = -1
+    sent = [0] * n_dev
+    recv = [0] * n_dev
+    for rnd, (src, dst, _, nbytes) in placed:
+        moved += nbytes
+        if node_of[src] != node_of[dst]:
+            inter += nbytes
+        sent[src] += nbytes
+        recv[dst] += nbytes
+        if nbytes > peak:
+            peak = nbytes
+        if rnd > rounds:
+            rounds = rnd
     state_bytes = sum(old.class_bytes[c] for c in inputs.old_device_class.values())
     stats = {
         "state_bytes": state_bytes,
@@ -690,10 +809,10 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPl
         "naive_moved_bytes": need_bytes - naive_overlap - missing_bytes,
         "missing_bytes": missing_bytes,
         "messages": len(messages),
-        "rounds": 1 + max((m.round for m in messages), default=-1),
-        "max_send_bytes": max(sent.values(), default=0),
-        "max_recv_bytes": max(recv.values(), default=0),
-        "peak_staging_bytes": max((m.nbytes for m in messages), default=0),
+        "rounds": 1 + rounds,
+        "max_send_bytes": max(sent, default=0),
+        "max_recv_bytes": max(recv, default=0),
+        "peak_staging_bytes": peak,
         "tp_groups_split_across_nodes": _tp_split(final, inputs),
         "plan_seconds": round(time.perf_counter() - t0, 6),
     }
@@ -730,6 +849,7 @@ class _SourcePicker:
         self.dev_key = dev_key
         self.load: dict[str, int] = defaultdict(int)
         self.heaps: dict[tuple[int, str | None], list[tuple[int, tuple[int, int], str]]] = {}
+        self.chosen: dict[tuple, list] = {}  # (s, node) → the heap that node picks from
 
     def _heap(self, s: int, node: str | None, cands: list[str]) -> list:
         h = self.heaps.get((s, node))
@@ -741,21 +861,22 @@ class _SourcePicker:
             self.heaps[(s, node)] = h
         return h
 
-    def pick(self, s: int, cands: list[str], node: str, nbytes: int) -> str:
+    def pick(self, s: int, cands: list, node, nbytes: int):
         """The source for ``nbytes`` from holder set ``s`` (holders ``cands``) to a device
         on ``node``; its load grows by ``nbytes``."""
-        h = self._heap(s, node, cands)
-        if not h:
-            h = self._heap(s, None, cands)
+        h = self.chosen.get((s, node))
+        if h is None:  # the node's heap, or the global one when no holder is on the node
+            h = self._heap(s, node, cands) or self._heap(s, None, cands)
+            self.chosen[(s, node)] = h
         load = self.load
-        while True:
+        was, key, d = h[0]
+        cur = load[d]
+        while was != cur:  # out of date (too small): refresh, look again
+            heapreplace(h, (cur, key, d))
             was, key, d = h[0]
             cur = load[d]
-            if was == cur:
-                break
-            heapq.heapreplace(h, (cur, key, d))
         load[d] = cur + nbytes
-        heapq.heapreplace(h, (cur + nbytes, key, d))
+        heapreplace(h, (cur + nbytes, key, d))
         return d
 
 
@@ -776,16 +897,16 @@ def _schedule(chunks: list[tuple[str, str, list[Piece], int]], leaving: Iterable
     leaving = set(leaving)
     if dev_key is None:
         dev_key = {d: _dev_key(d) for c in chunks for d in c[:2]}
-    order = sorted(range(len(chunks)),
-                   key=lambda k: (chunks[k][0] not in leaving, -chunks[k][3],
-                                  dev_key[chunks[k][0]], dev_key[chunks[k][1]], k))
+    order = [(c[0] not in leaving, -c[3], dev_key[c[0]], dev_key[c[1]], k)
+             for k, c in enumerate(chunks)]
+    order.sort()
     # busy rounds of each device as bits of an int: the first round free at both ends is
     # the lowest zero bit of (sending | receiving), found in C (a scan per round was
     # O(messages x rounds))
-    sending: dict[str, int] = defaultdict(int)
-    receiving: dict[str, int] = defaultdict(int)
+    sending: dict = defaultdict(int)
+    receiving: dict = defaultdict(int)
     out = []
-    for k in order:
+    for *_, k in order:
         chunk = chunks[k]
         src, dst = chunk[0], chunk[1]
         busy = sending[src] | receiving[dst]

@@ -11,7 +11,6 @@ Pure Python: no torch, no numpy needed (the planner vectorises on its own).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -39,7 +38,10 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def box_numel(box: Box) -> int:
-    return math.prod(hi - lo for lo, hi in box)
+    n = 1
+    for lo, hi in box:  # a plain loop: ~2x math.prod over a generator (planner hot path)
+        n *= hi - lo
+    return n
 
 
 def box_shape(box: Box) -> tuple[int, ...]:
@@ -97,10 +99,10 @@ class Piece:
 
     def __hash__(self) -> int:
         # cached: the planner hashes the same pieces many times (sets, dict keys)
-        h = self.__dict__.get("_hash")
+        d = self.__dict__
+        h = d.get("_hash")
         if h is None:
-            h = hash((self.key, self.box, self.dtype))
-            object.__setattr__(self, "_hash", h)
+            h = d["_hash"] = hash((self.key, self.box, self.dtype))
         return h
 
     @property
@@ -110,10 +112,13 @@ class Piece:
     @property
     def nbytes(self) -> int:
         # cached like the hash: the planner asks for it once per slice per use
-        n = self.__dict__.get("_nbytes")
+        d = self.__dict__
+        n = d.get("_nbytes")
         if n is None:
-            n = box_numel(self.box) * dtype_bytes(self.dtype)
-            object.__setattr__(self, "_nbytes", n)
+            n = DTYPE_BYTES.get(self.dtype) or dtype_bytes(self.dtype)
+            for lo, hi in self.box:  # box_numel inlined
+                n *= hi - lo
+            d["_nbytes"] = n  # frozen: set past the dataclass' __setattr__, like the hash
         return n
 
     @property

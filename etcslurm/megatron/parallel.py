@@ -17,6 +17,7 @@ so there is one lifecycle implementation.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 
@@ -54,10 +55,24 @@ def init_world(
     """
     if not 0 <= rank < world_size:
         raise LayoutError(f"rank {rank} is outside a world of {world_size}")
+    _freeze_imports()
     t0 = time.perf_counter()
     groups.configure(store, generation, rank, world_size, backend or default_backend(),
                      timeout=timeout_s)
     return time.perf_counter() - t0
+
+
+def _freeze_imports() -> None:
+    """Before the first world: import megatron-core's model and optimizer stack (what
+    every build imports anyway) and freeze what is alive (:func:`groups.freeze_long_lived`),
+    so the collections of every later teardown skip it."""
+    if groups.frozen():
+        return
+    cpu_shim.install_if_needed()
+    for module in ("megatron.core.models.gpt", "megatron.core.optimizer"):
+        importlib.import_module(module)
+
+    groups.freeze_long_lived()
 
 
 def init_model_parallel(config: ParallelConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:

@@ -216,6 +216,8 @@ def resize(ctx: Context, state: State) -> State:
     if new_rank is None:
         return State(Phase.HANDED_OVER, record=record)
     old_layout = ctx.record.to_layout if ctx.record is not None else record.from_layout
+    if ctx.trainee is not None and ctx.trainee is not result.trainee:
+        ctx.world.retire(ctx.trainee)  # freed in the background once unreferenced
     ctx.trainee, ctx.rank, ctx.record = result.trainee, new_rank, record
     ctx.forget_holdings()
     coord.set_state(ACTIVE, rank=new_rank, generation=gen)

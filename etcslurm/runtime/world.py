@@ -53,7 +53,6 @@ class World:
         self.analytic = build is default_builder
         self._periodic: Any = None  # the async checkpoint writer of periodic saves
         #: seconds of the last world formation and build, by part (world, groups, build)
-        #: and whether the model was kept (1.0) or built (0.0)
         self.last_build: dict[str, float] = {}
         #: the trainee this process built last (weakly: a leaver's model must be freed)
         #: and megatron's groups it was built in
@@ -99,7 +98,6 @@ class World:
         from etcslurm.megatron.model import init_optimizer_state
 
         init_optimizer_state(trainee)
-        self.last_build["kept"] = 0.0
         return self._built(trainee, t0)
 
     def can_keep(self, trainee: Any, old: tuple[ParallelConfig, int],
@@ -115,12 +113,14 @@ class World:
         return (known and isinstance(trainee, Trainee)
                 and can_keep(old, new, trainee.optimizer_kind))
 
-    def regroup(self, generation: int, layout: ParallelConfig, rank: int, old: Any) -> Any:
+    def regroup(self, generation: int, layout: ParallelConfig, rank: int,
+                old: Any) -> tuple[Any, bool]:
         """Start ``generation``'s world and keep ``old``'s model in it (new groups, DDP,
-        optimizer; same parameters and Adam state: :mod:`etcslurm.megatron.regroup`).
+        optimizer; same parameters and Adam state: :mod:`etcslurm.megatron.regroup`);
+        returns ``(model, kept)``.
 
-        A model that turns out not to be keepable is built anew (the migration then
-        fills it from ``old``'s tensors).
+        A model that turns out not to be keepable is built anew (``kept`` is False: the
+        migration then fills it from ``old``'s tensors).
         """
         from etcslurm.megatron.regroup import RegroupError, rewrap
 
@@ -136,21 +136,25 @@ class World:
             trainee = rewrap(old, before, layout)
         except RegroupError as exc:
             log.warning("generation %s: model not kept (%s); building it anew", generation, exc)
-            return self._build_after_form(layout, t0)
-        self.last_build["kept"] = 1.0
-        return self._built(trainee, t0)
+            return self._build_after_form(layout, t0), False
+        groups.retire(before)  # the old world's groups: their destructors off the pause
+        return self._built(trainee, t0), True
 
     def _build_after_form(self, layout: ParallelConfig, t0: float) -> Any:
         from etcslurm.megatron.model import init_optimizer_state
 
         trainee = self.build(self.settings.model, layout, self.settings)
         init_optimizer_state(trainee)
-        self.last_build["kept"] = 0.0
         return self._built(trainee, t0)
 
     def abort(self) -> None:
         """Drop every process group at once (a peer died, or the worker leaves)."""
         groups.abort()
+
+    def retire(self, trainee: Any) -> None:
+        """A model replaced at a resize: dropped in the background once unreferenced (it
+        holds the old world's groups, whose destructors take ~14 ms each with gloo)."""
+        groups.retire(trainee)
 
     def vote(self, change: bool, rank: int, candidate: bool) -> tuple[bool, int | None]:
         """The step boundary's one all-reduce: whether any rank wants a change, and the
@@ -214,7 +218,6 @@ class World:
             result.seconds["build"] = [self.last_build.get("build", 0.0)]
             result.seconds["world"] = [self.last_build.get("world", 0.0)]
             result.seconds["groups"] = [self.last_build.get("groups", 0.0)]
-        result.kept = bool(self.last_build.get("kept"))
         return result
 
     def data_position(self) -> tuple[int, int] | None:
