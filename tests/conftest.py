@@ -38,6 +38,19 @@ def redis_url() -> str:
 
 
 @pytest.fixture
+def own_redis_client(tmp_path: Path):
+    """A client of a Redis server of this test's own, for tests that count the server's
+    commands: sbin/test runs the ``waits`` tests beside the others on the shared one."""
+    from etcslurm.coord.client import connect
+    from etcslurm.coord.server import BundledRedis
+
+    with BundledRedis(tmp_path / "own-redis") as srv:
+        client = connect(srv.url, srv.password_file, retry_deadline=5)
+        yield client
+        client.close()
+
+
+@pytest.fixture
 def run_id() -> str:
     """A fresh run namespace per test, so tests never see each other's keys."""
     return f"t-{uuid.uuid4().hex[:10]}"

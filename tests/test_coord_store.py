@@ -102,25 +102,12 @@ def test_store_semantics_match_torch_hashstore(client, run_id):
     assert not ours.check(["b"])
 
 
-def test_waiters_block_until_a_write_instead_of_polling(run_id, tmp_path):
+def test_waiters_block_until_a_write_instead_of_polling(own_redis_client, run_id):
     """A rank waiting 1.5 s for another's key (``get`` and ``wait``) wakes as soon as it is
     written and costs Redis a few commands, not one per 20 ms (which, for 1023 ranks
-    waiting on rank 0's NCCL id, was 68 000 commands at 1024 workers).
-
-    On a Redis server of its own: the count is the server's, and the suite's Slurm tests
-    run beside this one on the shared server."""
-    from etcslurm.coord.client import connect
-    from etcslurm.coord.server import BundledRedis
-
-    with BundledRedis(tmp_path / "own") as srv:
-        client = connect(srv.url, srv.password_file)
-        try:
-            _count_waiting_commands(client, run_id)
-        finally:
-            client.close()
-
-
-def _count_waiting_commands(client, run_id: str) -> None:
+    waiting on rank 0's NCCL id, was 68 000 commands at 1024 workers).  On a Redis of its
+    own: the count is the server's."""
+    client = own_redis_client
     import threading
     import time
 

@@ -37,6 +37,9 @@ from etcslurm.core.state import (
     dtype_bytes,
     locate,
 )
+from etcslurm.core.state import (
+    box_intersect_same_rank as _intersect,
+)
 from etcslurm.errors import UsageError
 
 __all__ = ["Message", "MigrationPlan", "PlanInputs", "locate", "plan", "plan_for_gpt"]
@@ -255,18 +258,6 @@ def _common_numel(a: Box, b: Box) -> int:
             return 0
         n *= hi - lo
     return n
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    """:func:`box_intersect` without its rank check (pieces of one key share a rank)."""
-    out = []
-    for (alo, ahi), (blo, bhi) in zip(a, b, strict=False):
-        lo = alo if alo > blo else blo
-        hi = ahi if ahi < bhi else bhi
-        if lo >= hi:
-            return None
-        out.append((lo, hi))
-    return tuple(out)
 
 
 _new_object = object.__new__
