@@ -60,8 +60,8 @@ def freeze_long_lived() -> bool:
 
     Why: :func:`teardown` collects garbage so that a dead world's sockets and threads go
     at once, and a full collection walks every tracked object -- after importing torch
-    and megatron-core that is over a million, ~1 s per collection on a shared core
-    (measured 12-02 with 4 gloo ranks), most of a DP shrink's pause.  What is alive
+    and megatron-core's model stack that is ~400 000, ~1 s per collection on a shared
+    core (measured 12-02 with 4 gloo ranks), most of a DP shrink's pause.  What is alive
     before the first world (modules, classes, the run's settings and store) lives as
     long as the process anyway; frozen, it is skipped, and each collection walks only
     what came later (models, groups, buffers: well under 10 ms).  Call it before the
