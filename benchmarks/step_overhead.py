@@ -123,7 +123,7 @@ def elastic_loop(args: argparse.Namespace, rank: int, redis_url: str, run_dir: s
     with ElasticSession(settings, options) as session:
         # the parts of step_done, timed where they run (instance attributes shadow methods)
         ctx = session.ctx
-        ctx.world.any = timed(ctx.world.any, "boundary all-reduce (incl. waiting for the peer)")
+        ctx.world.vote = timed(ctx.world.vote, "boundary all-reduce (incl. waiting for the peer)")
         ctx.boundary.emit_soft = timed(ctx.boundary.emit_soft, "step event (rank 0)")
         session._leader_sees_change = timed(session._leader_sees_change,
                                             "coordinator poll (rank 0, every 0.25 s)")
