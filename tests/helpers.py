@@ -32,6 +32,13 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def redis_commands(client: Any) -> int:
+    """Commands the client's Redis server has processed so far (scripts' inner calls
+    included): tests that bound a waiter's cost compare two readings (on a server of
+    their own, ``own_redis_client``)."""
+    return int(client.redis.info("stats")["total_commands_processed"])
+
+
 def sh(*cmd: str) -> str:
     """Run a command (30 s bound), return its stripped stdout; fail on a non-zero exit."""
     return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=30).stdout.strip()

@@ -14,7 +14,7 @@ from etcslurm.coord.records import ChangeRequest, GenerationRecord, parse_event
 from etcslurm.coord.schema import Keys
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.errors import CoordinatorError, RecordError, UsageError, WaitTimeout
-from tests.helpers import generation_record
+from tests.helpers import generation_record, redis_commands
 
 pytestmark = pytest.mark.redis
 
@@ -142,10 +142,6 @@ def test_commit_only_moves_forward_and_stops_after_end_run(make):
     assert b.committed_generation() == -1
 
 
-def _commands(client) -> int:
-    return int(client.redis.info("stats")["total_commands_processed"])
-
-
 def test_waiters_block_on_news_and_read_the_record_once(own_redis_client, run_id):
     """A waiting worker costs O(1) (the head, a blocked XREAD), wakes at the publish or
     the commit, and reads the (O(N)) record once, not at every poll.  On a Redis of its
@@ -176,9 +172,9 @@ def _block_on_news(a: Coordinator, b: Coordinator, client) -> None:
     waiter = threading.Thread(target=lambda: got.append(b.wait_generation(after=-1, timeout=20)))
     waiter.start()
     time.sleep(0.5)  # blocked: a handful of commands, no record read
-    before = _commands(client)
+    before = redis_commands(client)
     time.sleep(0.5)
-    assert _commands(client) - before <= 4 and not reads
+    assert redis_commands(client) - before <= 4 and not reads
     t0 = time.monotonic()
     assert a.publish_generation(gen_record(0))
     waiter.join(timeout=10)
