@@ -10,9 +10,11 @@ All in one run, on the same job (local CPU workers, gloo, one bundled Redis):
 
   ``decide`` (boundary vote, publish, read the record), ``read`` (the old state's views),
   ``world`` (the new default group), ``groups`` (megatron's groups), ``xgroup`` (the
-  exchange group), ``build`` (the new model, or the kept one re-wrapped), ``plan``,
-  ``fill`` (holdings check, arena, fill check), ``exchange``, ``commit`` (scalars + the
-  new world's barrier) and ``other`` (the rest: bookkeeping after the commit).
+  exchange group), ``build`` (the new model, or the kept one re-wrapped, and the
+  description of its state), ``plan``, ``fill`` (holdings check, arena, fill check),
+  ``exchange``, ``close`` (the exchange group released), ``commit`` (scalars + the new
+  world's barrier) and ``other`` (the rest: bookkeeping around the migration).  With
+  ``ETCSLURM_LOG=INFO`` and ``--run-dir`` every worker's log has its own phases.
 * **restart-and-reload** (what torchrun-style elasticity does): every worker is
   signalled, the job writes a megatron-core ``dist_checkpointing`` checkpoint and exits,
   a new set of processes starts, imports, rebuilds and loads the checkpoint resharded;
@@ -49,10 +51,11 @@ COLUMNS = (
     ("decide", ("decide",)),
     ("read", ("read",)),
     ("form groups", ("world", "groups", "group")),
-    ("build", ("build",)),
+    ("build", ("build", "describe")),
     ("plan", ("plan",)),
     ("fill", ("prepare",)),
     ("exchange", ("exchange",)),
+    ("close", ("close",)),
     ("commit", ("commit",)),
 )
 PAUSE_GOAL_S = 0.3
@@ -118,12 +121,18 @@ def main() -> None:
     ap.add_argument("--min-step", type=float, default=0.4,
                     help="pace steps (s) so the joiner's imports finish before the run does")
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    ap.add_argument("--run-dir", metavar="DIR",
+                    help="keep the runs' logs here (each worker's phases with ETCSLURM_LOG=INFO)")
+    ap.add_argument("--no-restart", action="store_true",
+                    help="skip the restart-and-reload baseline (quicker, no ratio)")
     args = ap.parse_args()
     console = Console(width=200)
     with TemporaryDirectory() as tmp, BundledRedis(Path(tmp) / "redis") as server:
         url, pw = server.url, str(server.password_file)
-        elastic = elastic_run(args, url, pw, Path(tmp) / "elastic")
-        down, up, resumed = restart_run(args, url, pw, Path(tmp) / "restart")
+        runs = Path(args.run_dir) if args.run_dir else Path(tmp)
+        elastic = elastic_run(args, url, pw, runs / "elastic")
+        down, up, resumed = (float("nan"), float("nan"), None) if args.no_restart else (
+            restart_run(args, url, pw, runs / "restart"))
     restart = down + up
 
     table = Table(title=f"pause per resize, {args.model}, {args.workers} CPU workers "
@@ -151,6 +160,9 @@ def main() -> None:
     shrink = [r for r in rows if r["kind"] == "DP shrink"]
     for r in shrink:
         ratio = restart / r["pause"]
+        if args.no_restart:
+            console.print(f"DP shrink {r['src']} → {r['dst']}: pause {r['pause']:.3f} s")
+            continue
         console.print(f"DP shrink {r['src']} → {r['dst']}: pause {r['pause']:.3f} s "
                       f"(goal ≤ {PAUSE_GOAL_S} s: {'met' if r['pause'] <= PAUSE_GOAL_S else 'NOT met'}), "
                       f"restart ÷ pause = {ratio:.1f}× (goal ≥ {RATIO_GOAL:.0f}×: "

@@ -207,7 +207,7 @@ def exchange_group(
             probe = torch.ones(1)
         group_max(pg, probe, timeout)
     except (RuntimeError, dist.DistError, WaitTimeout) as exc:
-        close_exchange_group(pg)  # a half-formed group must not keep its sockets
+        close_exchange_group(pg, now=True)  # a half-formed group must not keep its sockets
         raise WaitTimeout(
             f"exchange {generation}: rank {rank} of {size} could not form the {backend} "
             f"exchange group within {timeout:.0f} s: {exc}"
@@ -226,12 +226,23 @@ def group_max(pg: dist.Backend, tensor: torch.Tensor, timeout: float) -> torch.T
     return tensor
 
 
-def close_exchange_group(pg: dist.Backend | None) -> None:
-    """Release an exchange group's connections now (NCCL: abort its communicators)."""
+def close_exchange_group(pg: dist.Backend | None, now: bool = False) -> None:
+    """Release an exchange group's connections (NCCL: abort its communicators now).
+
+    A gloo group is handed to :func:`retire` unless ``now``: its shutdown waits for its
+    device's event loop like any gloo group's destructor (10-30 ms of every resize's
+    pause on gpt-tiny, 12-02), and nothing needs its sockets gone at once -- the
+    members that leave exit, the others never use it again.  ``now``: a half-formed
+    group after a failure, whose sockets must not linger into the retry.
+    """
     if pg is None:
         return
+    nccl = isinstance(pg, getattr(dist, "ProcessGroupNCCL", ()))
+    if not nccl and not now:
+        retire(pg)
+        return
     try:
-        if isinstance(pg, getattr(dist, "ProcessGroupNCCL", ())):
+        if nccl:
             pg.abort()
         else:
             pg.shutdown()

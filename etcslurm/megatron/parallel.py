@@ -17,9 +17,12 @@ so there is one lifecycle implementation.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+import os
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -55,17 +58,22 @@ def init_world(
     """
     if not 0 <= rank < world_size:
         raise LayoutError(f"rank {rank} is outside a world of {world_size}")
-    _freeze_imports()
+    warm_up()
     t0 = time.perf_counter()
     groups.configure(store, generation, rank, world_size, backend or default_backend(),
                      timeout=timeout_s)
     return time.perf_counter() - t0
 
 
-def _freeze_imports() -> None:
-    """Before the first world: import megatron-core's model and optimizer stack (what
-    every build imports anyway) and freeze what is alive (:func:`groups.freeze_long_lived`),
-    so the collections of every later teardown skip it."""
+def warm_up() -> None:
+    """Import megatron-core's model and optimizer stack (what every build imports anyway)
+    and freeze what is alive (:func:`groups.freeze_long_lived`), so the collections of
+    every later teardown skip it; once per process.
+
+    A worker calls it before it registers (:meth:`ElasticSession.start`): a joiner taken
+    in at a boundary would otherwise import the optimizer and walk ~400 000 objects
+    (about a second) inside everyone's pause.  The first world calls it too, for
+    processes that never register (benchmarks, tests)."""
     if groups.frozen():
         return
     cpu_shim.install_if_needed()
@@ -83,19 +91,45 @@ def init_model_parallel(config: ParallelConfig, timeout_s: float = DEFAULT_TIMEO
     if config.world_size != world:
         raise LayoutError(f"layout {config} needs {config.world_size} ranks, the world has {world}")
     gloo = dist.get_backend() == "gloo"
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=config.tp,
-        pipeline_model_parallel_size=config.pp,
-        expert_model_parallel_size=config.ep,
-        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
-        # the default backend is gloo already: megatron's extra gloo groups would only
-        # double the groups (and threads) per rebuild
-        create_gloo_process_groups=not gloo,
-    )
+    with _lazy_gloo(gloo):
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=config.tp,
+            pipeline_model_parallel_size=config.pp,
+            expert_model_parallel_size=config.ep,
+            distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+            # the default backend is gloo already: megatron's extra gloo groups would only
+            # double the groups (and threads) per rebuild
+            create_gloo_process_groups=not gloo,
+        )
     # megatron's RNG tracker must exist before a model is built; seeded by build_gpt
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.initialize_rng_tracker(force_reset=True)
+
+
+@contextlib.contextmanager
+def _lazy_gloo(gloo: bool) -> Iterator[None]:
+    """Inside: gloo groups connect their pairs at their first use, not when created
+    (torch's ``TORCH_GLOO_LAZY_INIT``, read at each group's creation).
+
+    Why: megatron-core creates every group of its layout on every rank -- 17 with this
+    rank as a member for tp2pp1dp2 on 4 ranks, only 4 distinct rank sets among them --
+    and most are never used by a training step; connected eagerly they took 0.19 s of
+    each resize's pause over the Redis store, lazily 0.04 s (4 gloo ranks, 12-02, this
+    machine).  The groups a step uses connect in the first step after the resize.  The
+    default group and the exchange group stay eager: their first collective comes at
+    once (a barrier, a probe), and an eager connection makes a peer that dies show at
+    once, where a lazy connect to a dead peer retries up to five times the group's
+    timeout.  A value the user exported is left as it is.
+    """
+    if not gloo or "TORCH_GLOO_LAZY_INIT" in os.environ:
+        yield
+        return
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
 
 
 def init_parallel(

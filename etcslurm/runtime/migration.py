@@ -6,7 +6,8 @@ in order, on every participant (old members and joiners):
 
 1. ``build``: a member of the new layout forms the new world and builds the (empty)
    model and optimizer of its layout; a leaver (or an idle worker) tears its world down
-   and keeps only its old model's tensors, still readable.
+   and keeps only its old model's tensors, still readable.  ``describe``: the pieces
+   the new model needs, with a view of each (megatron-core's sharded state dict).
 2. ``group``: the exchange group over old members + joiners, outside the new world
    (megatron-core modules keep the groups they were built in, and the new world does not
    contain leavers).  Members arrive once their model is built, so its timeout includes
@@ -16,7 +17,7 @@ in order, on every participant (old members and joiners):
    check), the staging arena is sized, and a plan that would leave part of the new model
    unwritten is refused before anything moves.
 5. ``exchange``: local copies and the coalesced, checksummed P2P messages, straight into
-   the new model.
+   the new model; ``close``: the exchange group's connections are released.
 6. ``commit``: the new model gets the replicated scalars (Adam step, scheduler, counters)
    and the new world passes a barrier: past it every new member is complete.
 
@@ -50,7 +51,7 @@ from etcslurm.transfer.executor import (
     staging_arena,
 )
 
-PHASES = ("build", "group", "plan", "prepare", "exchange", "commit")
+PHASES = ("build", "describe", "group", "plan", "prepare", "exchange", "close", "commit")
 
 #: the failures of a peer (death, timeout) as torch.distributed and our waits report them
 PEER_FAILURES = (RuntimeError, dist.DistError, WaitTimeout)
@@ -199,7 +200,9 @@ class Migration:
                 self.trainee = self.form_and_build(job.generation, job.layout, job.new_rank)
         if job.nothing_moves:
             return self._commit_kept()
-        self.needed = _local_state(self.trainee)
+        with clock.phase("describe", self):
+            self.needed = _local_state(self.trainee)
+        exchanged = False
         try:
             with clock.phase("group", self), _peer_phase("group"):
                 self.group = groups.exchange_group(
@@ -216,8 +219,10 @@ class Migration:
             for _ in range(max(1, repeat)):
                 with clock.phase("exchange", self), _peer_phase("exchange", MigrationError):
                     stats = self._exchange()
+            exchanged = True
         finally:
-            groups.close_exchange_group(self.group)
+            with clock.phase("close", self):  # after a failure at once: the retry's sockets
+                groups.close_exchange_group(self.group, now=not exchanged)
             self.group = None
         with clock.phase("commit", self), _peer_phase("commit"):
             self._commit()

@@ -126,8 +126,12 @@ class ElasticSession:
         from etcslurm.runtime.world import World
 
         install_if_needed()
-        import etcslurm.megatron.adapter  # noqa: F401  (import before registering: a joiner
-        # that is taken in must be ready at once, not spend seconds importing megatron)
+        import etcslurm.megatron.adapter  # noqa: F401
+        from etcslurm.megatron.parallel import warm_up
+
+        # before registering: a joiner that is taken in must be ready at once, not spend
+        # seconds of everyone's pause importing megatron and freezing its objects
+        warm_up()
 
         opts = self.options
         self._client = connect(opts.redis_url, opts.password_file)

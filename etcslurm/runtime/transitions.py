@@ -238,6 +238,8 @@ def resize(ctx: Context, state: State) -> State:
         phases = {"decide": max(0.0, t0 - ctx.change_started), **phases}
     phases["kept"] = float(result.kept)
     ctx.reports.append(report)
+    log.info("generation %s: rank %s in %.3f s (%s)", gen, new_rank, report.seconds,
+             ", ".join(f"{k} {v:.3f}" for k, v in phases.items() if k != "kept"))
     if new_rank == 0:
         coord.emit("migration.done", gen=gen, seconds=report.seconds,
                    moved_bytes=report.moved_bytes, local_bytes=report.local_bytes,
