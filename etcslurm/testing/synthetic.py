@@ -187,7 +187,7 @@ def executor_selftest(ctx: WorkerContext) -> dict[str, Any]:
                 arena=arena)
         out.setdefault("exchange_exact", []).append(_check(needed))
         out.setdefault("exchange_arena_used", []).append(bool(arena.any()))
-        groups.close_exchange_group(xg)
+        groups.close_exchange_group(xg, now=True)  # measured at once: not retired
         out.setdefault("exchange_usage", []).append(groups.resource_usage())
     return out
 
