@@ -152,17 +152,19 @@ def main() -> None:
         table.add_row(f"{kind} {m['from']} → {m['to']}", f"{pause:.3f}",
                       *(f"{c:.3f}" for c in cols), f"{other:.3f}",
                       "yes" if phases.get("kept") else "no", str(m.get("moved_bytes")))
-    table.add_row("restart-and-reload (checkpoint + new processes)", f"{restart:.2f}",
-                  *([""] * len(COLUMNS)), "", "", "")
+    if not args.no_restart:
+        table.add_row("restart-and-reload (checkpoint + new processes)", f"{restart:.2f}",
+                      *([""] * len(COLUMNS)), "", "", "")
     console.print(table)
-    console.print(f"restart-and-reload: save+exit {down:.2f} s, start+load {up:.2f} s, "
-                  f"resumed at step {resumed}")
+    if not args.no_restart:
+        console.print(f"restart-and-reload: save+exit {down:.2f} s, start+load {up:.2f} s, "
+                      f"resumed at step {resumed}")
     shrink = [r for r in rows if r["kind"] == "DP shrink"]
     for r in shrink:
-        ratio = restart / r["pause"]
         if args.no_restart:
             console.print(f"DP shrink {r['src']} → {r['dst']}: pause {r['pause']:.3f} s")
             continue
+        ratio = restart / r["pause"]
         console.print(f"DP shrink {r['src']} → {r['dst']}: pause {r['pause']:.3f} s "
                       f"(goal ≤ {PAUSE_GOAL_S} s: {'met' if r['pause'] <= PAUSE_GOAL_S else 'NOT met'}), "
                       f"restart ÷ pause = {ratio:.1f}× (goal ≥ {RATIO_GOAL:.0f}×: "
