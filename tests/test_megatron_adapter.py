@@ -82,3 +82,37 @@ def test_parallel_state_rebuild_does_not_leak(tmp_path) -> None:
         assert rank["after_teardown"]["threads"] == rank["before"]["threads"]
         assert rank["after_teardown"]["fds"] <= rank["before"]["fds"] + 4
         assert all(r["probe"] > 0 for r in rows)
+
+
+def test_a_model_built_to_be_filled_skips_the_random_init_and_only_inside() -> None:
+    """``weights_filled_later`` builds without megatron's init (the runtime's migration
+    targets); outside it the same seed gives the same weights again."""
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from etcslurm.core.layout import ParallelConfig\n"
+        "from etcslurm.core.models import PRESETS\n"
+        "from etcslurm.megatron import parallel\n"
+        "from etcslurm.megatron.model import build_gpt, transformer_config, "
+        "weights_filled_later\n"
+        "layout = ParallelConfig(1, 1, 1)\n"
+        "parallel.init_parallel(layout, 0, 1, dist.HashStore(), 'filled')\n"
+        "spec = PRESETS['gpt-tiny']\n"
+        "def weights(t):\n"
+        "    return [p.detach().clone() for p in t.model[0].parameters()]\n"
+        "first = weights(build_gpt(spec, layout))\n"
+        "with weights_filled_later():\n"
+        "    assert not transformer_config(spec, layout, torch.float32).perform_initialization\n"
+        "    empty = weights(build_gpt(spec, layout))\n"
+        "assert transformer_config(spec, layout, torch.float32).perform_initialization\n"
+        "again = weights(build_gpt(spec, layout))\n"
+        "assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))\n"
+        "differ = sum(not torch.equal(a, b) for a, b in zip(first, empty, strict=True))\n"
+        "print('differ', differ, 'of', len(first))\n"
+        "assert differ > 0\n"
+        "parallel.teardown()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "differ" in out.stdout

@@ -23,6 +23,8 @@ already has every tensor a migration writes into.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,6 +42,28 @@ OPTIMIZERS = ("adam", "distributed")
 #: TP sizes up to this share one padded vocabulary (megatron pads per TP otherwise,
 #: which would change the embedding's global shape across a TP change)
 VOCAB_TP_MULTIPLE = 8
+
+#: set inside :func:`weights_filled_later`: models built there skip megatron's random init
+_FILLED_LATER: contextvars.ContextVar[bool] = contextvars.ContextVar("filled_later",
+                                                                    default=False)
+
+
+@contextlib.contextmanager
+def weights_filled_later() -> Iterator[None]:
+    """Inside: :func:`build_gpt` allocates the weights without initialising them
+    (megatron's ``perform_initialization=False``).
+
+    For the model a migration builds and then overwrites: its random init is work thrown
+    away inside every participant's pause (about half of a gpt-tiny build).  Safe because
+    the migration refuses a plan that leaves any part of the new model unwritten
+    (:func:`etcslurm.transfer.executor.check_fills`, and the own-copy path checks that it
+    holds every piece); the bit-exact migration tests build their targets this way.
+    """
+    token = _FILLED_LATER.set(True)
+    try:
+        yield
+    finally:
+        _FILLED_LATER.reset(token)
 
 
 def padded_vocab(spec: GPTSpec, tp: int | None = None) -> int:
@@ -138,7 +162,7 @@ def transformer_config(spec: GPTSpec, config: ParallelConfig, dtype: torch.dtype
         tensor_model_parallel_size=config.tp,
         pipeline_model_parallel_size=config.pp,
         use_cpu_initialization=True,
-        perform_initialization=True,
+        perform_initialization=not _FILLED_LATER.get(),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         gated_linear_unit=spec.gated,
