@@ -18,6 +18,16 @@ from etcslurm.testing.megatron_selftest import launch
 TIMEOUT_S = 420
 
 
+def _python(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (the CPU shim patches torch process-wide);
+    fails the test with its stderr unless it exits 0."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
 def test_cpu_shim_maps_cuda_to_cpu_only_without_gpu() -> None:
     code = (
         "import torch\n"
@@ -34,10 +44,7 @@ def test_cpu_shim_maps_cuda_to_cpu_only_without_gpu() -> None:
         "s = torch.cuda.get_rng_state(); torch.cuda.set_rng_state(s)\n"
         "print('ok', len(cpu_shim.PATCHED))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _python(code)
     assert out.stdout.startswith("ok")
 
 
@@ -111,8 +118,5 @@ def test_a_model_built_to_be_filled_skips_the_random_init_and_only_inside() -> N
         "assert differ > 0\n"
         "parallel.teardown()\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _python(code)
     assert "differ" in out.stdout
