@@ -126,7 +126,7 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
     from etcslurm.core.planner import gpt_inputs
     from etcslurm.core.planner import plan as core_plan
     from etcslurm.megatron import parallel
-    from etcslurm.megatron.model import TrainHyper, build_gpt, weights_filled_later
+    from etcslurm.megatron.model import TrainHyper, build_gpt
     from etcslurm.megatron.scalars import extract_scalars
     from etcslurm.megatron.sharded_meta import local_state
     from etcslurm.megatron.train import train_step
@@ -218,8 +218,7 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         progress("build-new")
         parallel.init_parallel(layout, rank, layout.world_size, ctx.store, generation,
                                timeout_s=timeout)
-        with weights_filled_later():  # as the runtime builds it: the exchange fills it
-            return build_gpt(spec, layout, optimizer, seed, hyper=hyper)
+        return build_gpt(spec, layout, optimizer, seed, hyper=hyper)
 
     job = MigrationJob(
         generation=1, me=device, members=members, new_rank=new_rank, layout=new, held=held,

@@ -4,8 +4,9 @@ Both the runtime (a resize) and ``etcslurm bench migrate`` run :meth:`Migration.
 the bit-exact tests of the benchmark prove the code that runs in production.  The phases,
 in order, on every participant (old members and joiners):
 
-1. ``build``: a member of the new layout forms the new world and builds the (empty)
-   model and optimizer of its layout; a leaver (or an idle worker) tears its world down
+1. ``build``: a member of the new layout forms the new world and builds the (empty:
+   not initialised, :func:`etcslurm.megatron.model.weights_filled_later`) model and
+   optimizer of its layout, or re-wraps the kept one; a leaver (or an idle worker) tears its world down
    and keeps only its old model's tensors, still readable.  ``describe``: the pieces
    the new model needs, with a view of each (megatron-core's sharded state dict).
 2. ``group``: the exchange group over old members + joiners, outside the new world
@@ -189,8 +190,12 @@ class Migration:
         """All phases in order.  ``repeat`` runs the exchange that many times (benchmarks);
         ``before_exchange`` is called once the plan is prepared (benchmarks measure the
         transport's floor there)."""
+        from etcslurm.megatron.model import weights_filled_later
+
         job, clock = self.job, self.clock
-        with clock.phase("build", self), _peer_phase("build"):
+        # the new model is filled by this migration (``prepare`` refuses a plan that
+        # leaves any of it unwritten), so its random init would be work thrown away
+        with clock.phase("build", self), _peer_phase("build"), weights_filled_later():
             if job.new_rank is None:
                 groups.teardown()  # a leaver (or idle): it only needs the exchange group
             elif job.keep is not None and self.regroup is not None:

@@ -100,15 +100,6 @@ class World:
         init_optimizer_state(trainee)
         return self._built(trainee, t0)
 
-    def form_and_build_target(self, generation: int, layout: ParallelConfig,
-                              rank: int) -> Any:
-        """:meth:`form_and_build` for a model a migration fills: its weights are not
-        initialised first (:func:`etcslurm.megatron.model.weights_filled_later`)."""
-        from etcslurm.megatron.model import weights_filled_later
-
-        with weights_filled_later():
-            return self.form_and_build(generation, layout, rank)
-
     def can_keep(self, trainee: Any, old: tuple[ParallelConfig, int],
                  new: tuple[ParallelConfig, int]) -> bool:
         """Whether ``trainee`` (this world's model, ``old`` = its layout and rank) can be
@@ -150,12 +141,9 @@ class World:
         return self._built(trainee, t0), True
 
     def _build_after_form(self, layout: ParallelConfig, t0: float) -> Any:
-        """Build anew a model that the migration then fills from the old one's tensors
-        (so its weights are not initialised first)."""
-        from etcslurm.megatron.model import init_optimizer_state, weights_filled_later
+        from etcslurm.megatron.model import init_optimizer_state
 
-        with weights_filled_later():
-            trainee = self.build(self.settings.model, layout, self.settings)
+        trainee = self.build(self.settings.model, layout, self.settings)
         init_optimizer_state(trainee)
         return self._built(trainee, t0)
 
@@ -217,7 +205,7 @@ class World:
         self.last_build = {}
 
         migration = Migration(
-            job, store=self.store, form_and_build=self.form_and_build_target, regroup=self.regroup,
+            job, store=self.store, form_and_build=self.form_and_build, regroup=self.regroup,
             staging_cap=self.settings.staging_bytes, timeout=self.options.collective_timeout,
             group_timeout=self.options.collective_timeout + 2 * self.build_seconds,
             arena=self.arena, hooks=self.hooks, progress=progress,
