@@ -14,8 +14,13 @@ Targets (issue 17), on one core: 8192 → 6144 devices < 1 s and < 1 GiB, 16384 
 Each case runs in a fresh subprocess, so ``rss_MiB`` (ru_maxrss) is that case's own peak
 (inputs + plan).  ``cpu_s`` is the planner's own CPU time (``time.process_time``: the
 machine this runs on is shared, so wall time ``plan_s`` says more about the neighbours
-than about the planner); the load average is printed before and after.  The table ends
-with a summary of ``cpu_s`` per case (a markdown table, as in ``docs/planning.md``).
+than about the planner); the load average is printed before and after.
+
+``rank_s`` is what one rank replays at a resize: the runtime plans only its own part
+(``plan(inputs, assignment, for_device=device)``: its messages, copies and missing pieces,
+byte-identical to its share of the whole plan); the slowest of a few sampled devices
+(:func:`sample_devices`).  The table ends with summaries of ``cpu_s`` and ``rank_s`` per
+case (markdown tables, as in ``docs/planning.md``).
 """
 
 from __future__ import annotations
@@ -70,6 +75,15 @@ def leavers(pattern: str, old: ParallelConfig, new: ParallelConfig) -> list[str]
     return [str(r) for r in range(n) if old.coord(r).dp % 4 == 3]
 
 
+def sample_devices(assignment: list[str], leave: list[str]) -> list[str]:
+    """Devices whose own part of the plan is timed: those of the first, a middle and the
+    last new rank (the first and last pipeline stage, tied by the embedding, and one in
+    between) and the last leaver (whose stage may have to be sent on whole)."""
+    n = len(assignment)
+    return list(dict.fromkeys([assignment[0], assignment[n // 2], assignment[-1],
+                               *leave[-1:]]))
+
+
 def one(opt: str, pattern: str, idx: int) -> dict:
     """Build the inputs and plan one case (in this process); its measurements."""
     model, old, new = CASES[pattern][idx]
@@ -81,11 +95,19 @@ def one(opt: str, pattern: str, idx: int) -> dict:
     p = plan(inputs)
     t3 = time.perf_counter()
     c3 = time.process_time()
+    # what one rank replays at a resize: only its own part, with the published assignment
+    rank_cpu = {}
+    for device in sample_devices(p.assignment, leave):
+        c = time.process_time()
+        plan(inputs, p.assignment, for_device=device)
+        rank_cpu[device] = time.process_time() - c
+    worst = max(rank_cpu, key=rank_cpu.__getitem__)
     s = p.stats
     return {
         "optimizer": opt, "pattern": pattern, "model": model, "from": str(old), "to": str(new),
         "devices": old.world_size, "leave": f"{leave[0]}-{leave[-1]}" if pattern == "stage"
         else f"{len(leave)} ranks", "inputs_s": t1 - t0, "plan_s": t3 - t1, "cpu_s": c3 - c2,
+        "rank_cpu_s": rank_cpu[worst], "rank_worst": worst,
         "rss_MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "moved_GiB": s["moved_bytes"] / 2**30, "at_lower_bound":
         s["moved_bytes"] == s["lower_bound_moved_bytes"], "messages": s["messages"],
@@ -102,15 +124,15 @@ def _size(devices: int) -> str:
     return f"{devices // 1024}k"
 
 
-def _summary(rows: list[dict]) -> list[str]:
-    """``cpu_s`` per (optimizer, pattern, model) and size, as markdown lines."""
+def _summary(rows: list[dict], field: str = "cpu_s") -> list[str]:
+    """``field`` per (optimizer, pattern, model) and size, as markdown lines."""
     sizes = sorted({r["devices"] for r in rows})
     lines = ["| optimizer | leave | model | " + " | ".join(_size(s) for s in sizes) + " |",
              "|---" * (3 + len(sizes)) + "|"]
     groups: dict[tuple[str, str, str], dict[int, float]] = {}
     for r in rows:
         groups.setdefault((r["optimizer"], r["pattern"], r["model"]), {})[r["devices"]] = \
-            r["cpu_s"]
+            r[field]
     for (opt, pattern, model), by_size in groups.items():
         cells = [f"{by_size[s]:.2f}" if s in by_size else "—" for s in sizes]
         lines.append(f"| {opt} | {pattern} | {model} | " + " | ".join(cells) + " |")
@@ -132,7 +154,8 @@ def main() -> None:
     patterns = ["dp", "scatter", "stage"] if args.pattern == "all" else [args.pattern]
     print(_load() + " (cpu_s is process CPU time)")
     print(f"{'optimizer':11} {'leave':7} {'model':10} {'from':>12} {'to':>12} {'devices':>7} "
-          f"{'inputs_s':>8} {'plan_s':>7} {'cpu_s':>6} {'rss_MiB':>8} {'moved_GiB':>9} "
+          f"{'inputs_s':>8} {'plan_s':>7} {'cpu_s':>6} {'rank_s':>6} {'rss_MiB':>8} "
+          f"{'moved_GiB':>9} "
           f"{'=bound':>6} {'messages':>8} {'rounds':>6}")
     rows = []
     for opt in opts:
@@ -146,12 +169,17 @@ def main() -> None:
                 rows.append(r)
                 print(f"{opt:11} {pattern:7} {r['model']:10} {r['from']:>12} {r['to']:>12} "
                       f"{r['devices']:>7} {r['inputs_s']:8.2f} {r['plan_s']:7.2f} "
-                      f"{r['cpu_s']:6.2f} {r['rss_MiB']:8.0f} {r['moved_GiB']:9.1f} "
+                      f"{r['cpu_s']:6.2f} {r['rank_cpu_s']:6.2f} {r['rss_MiB']:8.0f} "
+                      f"{r['moved_GiB']:9.1f} "
                       f"{'yes' if r['at_lower_bound'] else 'NO':>6} {r['messages']:>8} "
                       f"{r['rounds']:>6}", flush=True)
     print(_load())
     print()
+    print("whole plan, cpu_s:")
     print("\n".join(_summary(rows)))
+    print()
+    print("one rank's own part (plan(..., for_device=...)), the slowest sampled rank, cpu_s:")
+    print("\n".join(_summary(rows, "rank_cpu_s")))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from etcslurm.core.layout import ParallelConfig, valid_configs
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.planner import MigrationPlan, PlanInputs, gpt_inputs, plan
 from etcslurm.core.state import Piece, box_relative, locate
+from etcslurm.errors import UsageError
 
 SPEC = GPTSpec(layers=4, hidden=32, heads=4, ffn=64, vocab=200, seq=16)
 
@@ -299,3 +300,48 @@ def test_source_picker_matches_linear_min():
         node = f"n{rng.randrange(12)}"
         nbytes = rng.choice([1, 7, 100, 4096])
         assert fast.pick(s, sets[s], node, nbytes) == slow.pick(s, sets[s], node, nbytes)
+
+
+# ---------------------------------------------------------------- issue 17: a rank's part
+def _share(p: MigrationPlan, device: str) -> tuple:
+    """What ``device`` does under plan ``p``: its messages (rounds included), local copies
+    and missing pieces, as JSON."""
+    return ([m.to_json() for m in p.messages if device in (m.src, m.dst)],
+            [s.to_json() for s in p.local.get(device, [])],
+            [s.to_json() for s in p.missing.get(device, [])])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_a_devices_part_of_the_plan_is_its_share_of_the_whole(sc):
+    spec, old, new, leave, join, opt, staging, gpn = sc
+    inputs = gpt_inputs(spec, old, new, leave, join, gpn, opt, staging)
+    whole = plan(inputs)
+    for device in [*inputs.old_device_class, *inputs.joiners]:
+        part = plan(inputs, whole.assignment, for_device=device)
+        assert _share(part, device) == _share(whole, device), device
+        assert part.stats["part"] is True and part.assignment == whole.assignment
+
+
+def test_a_part_plans_only_the_stages_a_device_takes_part_in():
+    # untied (no embedding ties the first and last stage), distributed optimizer, the last
+    # stage leaves: a device of stage 1 that stays in stage 1 plans stage 1 only
+    untied = GPTSpec(layers=8, hidden=32, heads=4, ffn=64, vocab=200, seq=16,
+                     tied_embeddings=False)
+    old, new = ParallelConfig(2, 4, 8), ParallelConfig(2, 4, 6)
+    leave = [str(r) for r in range(new.world_size, old.world_size)]
+    inputs = gpt_inputs(untied, old, new, leave, 0, 4, "distributed", 10**6)
+    whole = plan(inputs)
+    device = whole.assignment[new.rank_of(tp=0, pp=1, dp=0)]
+    assert old.coord(int(device)).pp == 1
+    part = plan(inputs, whole.assignment, for_device=device)
+    stage_1 = {d for r, d in enumerate(whole.assignment) if new.coord(r).pp == 1}
+    assert {m.dst for m in part.messages} == {m.dst for m in whole.messages} & stage_1
+    assert 0 < len(part.messages) < len(whole.messages) / 2
+    assert _share(part, device) == _share(whole, device)
+
+
+def test_a_part_for_an_unknown_device_is_refused():
+    inputs = gpt_inputs(SPEC, ParallelConfig(1, 1, 2), ParallelConfig(1, 1, 1), ["1"])
+    with pytest.raises(UsageError, match="'7' is neither an old device nor a joiner"):
+        plan(inputs, for_device="7")

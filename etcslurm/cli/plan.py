@@ -25,6 +25,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer", default="adam", help="adam | distributed")
     p.add_argument("--staging-mb", type=float, default=512.0,
                    help="staging cap per device and round, MiB")
+    p.add_argument("--part-of", metavar="DEVICE", default=None,
+                   help="also plan only DEVICE's own part of the move, as each rank does "
+                   "at a resize (its messages, copies and missing pieces, with the whole "
+                   "plan's assignment), and report its time and size")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -68,15 +72,30 @@ def run(args: argparse.Namespace) -> int:
         )
     inputs = gpt_inputs(spec, old, new, [str(r) for r in leaving], args.join,
                         args.gpus_per_node, args.optimizer, int(args.staging_mb * 2**20))
+    if args.part_of is not None and args.part_of not in (*inputs.old_device_class,
+                                                         *inputs.joiners):
+        raise UsageError(f"--part-of: {args.part_of!r} is not a device of this plan (old "
+                         f"ranks 0-{old.world_size - 1}, joiners join:0..)")
     result = plan(inputs)
+    part = None
+    if args.part_of is not None:
+        mine = plan(inputs, result.assignment, for_device=args.part_of)
+        part = {"device": args.part_of, "plan_seconds": mine.stats["plan_seconds"],
+                "messages": mine.stats["messages"],
+                "own_messages": sum(args.part_of in (m.src, m.dst) for m in mine.messages)}
     if args.json:
         out = dict(result.stats)
+        if part is not None:
+            out["part_of"] = part
         out.update(model=str(spec), old=str(old), new=str(new), optimizer=args.optimizer,
                    assignment={str(r): d for r, d in enumerate(result.assignment)},
                    idle=result.idle)
         sys.stdout.write(json.dumps(out, sort_keys=True) + "\n")
         return 0
     _print_human(result, spec, old, new, args)
+    if part is not None:
+        print(f"{part['device']}'s own part: planned in {part['plan_seconds']:.3f} s, "
+              f"{part['messages']} messages ({part['own_messages']} to or from it)")
     return 0
 
 

@@ -428,15 +428,28 @@ class _Index:
 
 
 # --------------------------------------------------------------------------- planner
-def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPlan:
+def plan(inputs: PlanInputs, assignment: list[str] | None = None, *,
+         for_device: str | None = None) -> MigrationPlan:
     """Compute the migration plan (see module docstring).
 
     ``assignment`` (new rank → device), when given, replaces step (a): the runtime plans
     from the live state after the new world is built, so the assignment the decider
     published is fixed by then; sources, messages and rounds are planned for it.
+
+    ``for_device``: plan only the part of the move ``device`` takes part in (a rank needs
+    no more).  The class overlap graph's components are independent parts: a holder's
+    send load and its rounds' send slot are spent only on receivers in its old class's
+    component, a receiver's receive slot only on messages of its new class's component.
+    So the messages with ``for_device`` at either end (rounds included), its local copies
+    and its missing pieces are exactly the whole plan's; sources, messages and rounds are
+    computed for those two components only.  ``stats`` then describe that part
+    (``stats["part"]`` is True); the assignment is the whole one.
     """
     if assignment is not None:
         _check_assignment(inputs, assignment)
+    if for_device is not None and not (for_device in inputs.old_device_class
+                                       or for_device in inputs.joiners):
+        raise UsageError(f"for_device {for_device!r} is neither an old device nor a joiner")
     t0 = time.perf_counter()
     # Why no garbage collector: planning allocates millions of small tuples and pieces and
     # frees almost none of them before it returns, so every generation-2 pass walks the
@@ -445,13 +458,14 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None) -> MigrationPl
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _plan(inputs, assignment, t0)
+        return _plan(inputs, assignment, t0, for_device)
     finally:
         if was_enabled:
             gc.enable()
 
 
-def _plan(inputs: PlanInputs, assignment: list[str] | None, t0: float) -> MigrationPlan:
+def _plan(inputs: PlanInputs, assignment: list[str] | None, t0: float,
+          for_device: str | None) -> MigrationPlan:
     """:func:`plan` with the garbage collector off (``t0``: when the clock started)."""
     inputs.validate()
     old = _Index(inputs.old_blocks, inputs.old_class_blocks)
@@ -711,9 +725,19 @@ def _plan(inputs: PlanInputs, assignment: list[str] | None, t0: float) -> Migrat
     local_out: dict[str, list[Piece]] = {}
     missing_out: dict[str, list[Piece]] = {}
     local_bytes = missing_bytes = 0
+    part: set[int] | None = None  # the new classes whose ranks are planned (None: all)
+    if for_device is not None:
+        roots = set()
+        if for_device in inputs.old_device_class:
+            roots.add(find(inputs.old_device_class[for_device]))
+        if for_device in final:
+            roots.add(find(n_oc + inputs.new_rank_class[final.index(for_device)]))
+        part = {c for c in range(n_nc) if find(n_oc + c) in roots}
     for r in range(n_new):
         d = final[r]
         nc = inputs.new_rank_class[r]
+        if part is not None and nc not in part:
+            continue
         oc = inputs.old_device_class.get(d)
         held_blocks = tuple(inputs.old_class_blocks[oc]) if oc is not None else ()
         dd = did[d]
@@ -807,6 +831,8 @@ def _plan(inputs: PlanInputs, assignment: list[str] | None, t0: float) -> Migrat
         "tp_groups_split_across_nodes": _tp_split(final, inputs),
         "plan_seconds": round(time.perf_counter() - t0, 6),
     }
+    if part is not None:
+        stats["part"] = True
     return MigrationPlan(final, messages, local_out, missing_out, idle, stats)
 
 

@@ -386,10 +386,17 @@ def live_plan(migration: Migration, *, nodes: dict[str, str], leaving: list[str]
     """The plan from the live state: every participant describes what it holds and needs,
     the descriptions are exchanged on the exchange group, and every participant plans on
     the same inputs with the published ``assignment`` (new rank → planner id).  Works for
-    any model whose state :func:`etcslurm.megatron.sharded_meta.local_state` describes."""
+    any model whose state :func:`etcslurm.megatron.sharded_meta.local_state` describes.
+
+    Each participant plans only its own part of the move (``plan(..., for_device=me)``:
+    its messages, copies and missing pieces are the whole plan's, at a fraction of the
+    cost at scale).  What only the whole plan knows is summed over the group, each
+    participant adding its own share: ``stats["lost_pieces"]`` (the same verdict
+    everywhere; the pieces themselves are in ``missing`` where they are known),
+    ``moved_bytes`` and ``local_bytes`` (the whole move's, as reported)."""
     from etcslurm.core.descriptions import inputs_from_descriptions
     from etcslurm.core.planner import plan
-    from etcslurm.transfer.describe import exchange_descriptions
+    from etcslurm.transfer.describe import exchange_descriptions, sum_over
 
     job = migration.job
     held = [p for p, _ in job.held] if job.old is not None else None
@@ -403,8 +410,15 @@ def live_plan(migration: Migration, *, nodes: dict[str, str], leaving: list[str]
     inputs = inputs_from_descriptions(
         found.held, [found.needed[r] for r in range(len(assignment))], nodes=nodes,
         leaving=leaving, joiners=joiners, staging_bytes=staging_bytes, tp=tp)
-    result = plan(inputs, assignment=assignment)
+    result = plan(inputs, assignment=assignment, for_device=job.me)
     _split_fill(migration, result, [p for pieces in found.held.values() for p in pieces])
+    me = job.me
+    lost, moved, local = sum_over(migration.group, [
+        len(result.missing.get(me, [])),
+        sum(m.nbytes for m in result.messages if m.dst == me),
+        sum(p.nbytes for p in result.local.get(me, [])),
+    ], migration.timeout)
+    result.stats.update(lost_pieces=lost, moved_bytes=moved, local_bytes=local)
     return result
 
 

@@ -345,11 +345,13 @@ def _live_plan(ctx: Context, record: GenerationRecord, migration: Any) -> Migrat
         staging_bytes=message_cap(ctx.settings.staging_bytes),
         tp=ParallelConfig.parse(record.to_layout).tp,
     )
-    if plan.missing:
-        count = sum(len(v) for v in plan.missing.values())
+    lost = int(plan.stats.get("lost_pieces", 0))
+    if lost:
+        known = [p for pieces in plan.missing.values() for p in pieces][:1]
         raise StateLostError(
-            f"generation {record.generation}: {count} state pieces of the new layout have no "
-            f"holder among the participants (first: {next(iter(plan.missing.values()))[:1]})")
+            f"generation {record.generation}: {lost} state pieces of the new layout have no "
+            f"holder among the participants (first{' known here' if known else ''}: "
+            f"{known or 'in another rank part of the plan'})")
     return plan
 
 

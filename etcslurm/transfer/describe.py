@@ -79,3 +79,11 @@ def _all_gather(group: Any, payload: bytes, timeout: float) -> list[bytes]:
     outs = [torch.empty(width, dtype=torch.uint8, device=device) for _ in range(n)]
     group.allgather([outs], [buf]).wait(wait)
     return [bytes(o[:k].cpu().numpy().tobytes()) for o, k in zip(outs, lengths, strict=True)]
+
+
+def sum_over(group: Any, values: list[int], timeout: float) -> list[int]:
+    """The element-wise sum of every member's ``values`` (one all-reduce): totals and
+    verdicts every member of ``group`` must agree on, from facts each knows only in part."""
+    t = torch.tensor(values, dtype=torch.int64, device=state_device())
+    group.allreduce([t]).wait(timedelta(seconds=timeout))
+    return [int(v) for v in t.tolist()]
