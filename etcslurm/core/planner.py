@@ -451,6 +451,8 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None, *,
                                        or for_device in inputs.joiners):
         raise UsageError(f"for_device {for_device!r} is neither an old device nor a joiner")
     t0 = time.perf_counter()
+    if for_device is not None and assignment is not None:
+        inputs = _device_part(inputs, assignment, for_device)
     # Why no garbage collector: planning allocates millions of small tuples and pieces and
     # frees almost none of them before it returns, so every generation-2 pass walks the
     # whole growing heap for nothing (~40 % of the time at 8k devices).  The planner builds
@@ -834,6 +836,95 @@ def _plan(inputs: PlanInputs, assignment: list[str] | None, t0: float,
     if part is not None:
         stats["part"] = True
     return MigrationPlan(final, messages, local_out, missing_out, idle, stats)
+
+
+def _device_part(inputs: PlanInputs, assignment: list[str], device: str) -> PlanInputs:
+    """``inputs`` without the blocks of the plan's parts ``device`` takes no part in.
+
+    Why: a rank's part is a fraction of the state, and building the index and the overlap
+    terms of the whole state (all that :func:`_plan` does before it knows the components)
+    is most of a rank's planning time at scale.  The parts are found coarsely here, with
+    no box overlaps: two pieces can only share elements when they share a key and their
+    axis-0 ranges meet, so *cells* (a key and a maximal run of meeting axis-0 ranges of
+    either layout) joined by the classes that hold or need them form components that are
+    each a union of the planner's own (overlap) components.  Whole blocks of other
+    components are dropped (a block belongs to one: its classes all meet its cells); the
+    devices, classes and ranks stay, so every tie-break is the whole plan's, and
+    :func:`_plan` then narrows to the exact components itself.
+    """
+    sides = ((inputs.old_blocks, inputs.old_class_blocks),
+             (inputs.new_blocks, inputs.new_class_blocks))
+    ranges: dict[str, set[tuple[int, int]]] = defaultdict(set)
+    block_spans: list[list[set[tuple[str, tuple[int, int]]]]] = []
+    for blocks, _ in sides:
+        spans = []
+        for pieces in blocks:
+            span = {(p.key, p.box[0] if p.box else (0, 1)) for p in pieces}
+            for key, rng in span:
+                ranges[key].add(rng)
+            spans.append(span)
+        block_spans.append(spans)
+    cell_of: dict[tuple[str, tuple[int, int]], int] = {}
+    for key in sorted(ranges):
+        hi_run = None
+        for rng in sorted(ranges[key]):
+            if hi_run is None or rng[0] >= hi_run:  # a new run of meeting ranges
+                cell = len(cell_of)
+                hi_run = rng[1]
+            else:
+                hi_run = max(hi_run, rng[1])
+            cell_of[(key, rng)] = cell
+    n_cells = len(cell_of)
+    parent = list(range(n_cells + len(inputs.old_class_blocks) + len(inputs.new_class_blocks)))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(a: int, b: int) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+
+    block_cell: list[list[int | None]] = []
+    for spans in block_spans:
+        reps: list[int | None] = []
+        for span in spans:
+            cells = {cell_of[c] for c in span}
+            first = min(cells) if cells else None
+            for c in cells:
+                union(first, c)
+            reps.append(first)
+        block_cell.append(reps)
+    offset = n_cells
+    for (_, class_blocks), reps in zip(sides, block_cell, strict=True):
+        for c, bl in enumerate(class_blocks):
+            for b in bl:
+                if reps[b] is not None:
+                    union(offset + c, reps[b])
+        offset += len(class_blocks)
+    mine = set()
+    if device in inputs.old_device_class:
+        mine.add(find(n_cells + inputs.old_device_class[device]))
+    if device in assignment:
+        rank = assignment.index(device)
+        mine.add(find(n_cells + len(inputs.old_class_blocks) + inputs.new_rank_class[rank]))
+
+    def keep(blocks: list[list[Piece]], reps: list[int | None]) -> list[list[Piece]]:
+        return [pieces if r is not None and find(r) in mine else []
+                for pieces, r in zip(blocks, reps, strict=True)]
+
+    return PlanInputs(
+        old_device_class=inputs.old_device_class, new_rank_class=inputs.new_rank_class,
+        nodes=inputs.nodes, leaving=inputs.leaving, joiners=inputs.joiners,
+        staging_bytes=inputs.staging_bytes, tp=inputs.tp,
+        old_blocks=keep(inputs.old_blocks, block_cell[0]),
+        old_class_blocks=inputs.old_class_blocks,
+        new_blocks=keep(inputs.new_blocks, block_cell[1]),
+        new_class_blocks=inputs.new_class_blocks,
+    )
 
 
 def _check_assignment(inputs: PlanInputs, assignment: list[str]) -> None:
