@@ -16,7 +16,10 @@ Each case runs in a fresh subprocess, so ``rss_MiB`` (ru_maxrss) is that case's 
 machine this runs on is shared, so wall time ``plan_s`` says more about the neighbours
 than about the planner); the load average is printed before and after.
 
-``rank_s`` is what one rank replays at a resize: the runtime plans only its own part
+``decide`` is what the decider plans before it publishes a resize
+(:func:`etcslurm.runtime.generation.decider_plan`: the assignment and the whole move's
+totals, the sources of one device's part only).  ``rank_s`` is what one rank replays at a
+resize: the runtime plans only its own part
 (``plan(inputs, assignment, for_device=device)``: its messages, copies and missing pieces,
 byte-identical to its share of the whole plan); the slowest of a few sampled devices
 (:func:`sample_devices`).  The table ends with summaries of ``cpu_s`` and ``rank_s`` per
@@ -36,6 +39,7 @@ import time
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import PRESETS
 from etcslurm.core.planner import gpt_inputs, plan
+from etcslurm.runtime.generation import decider_plan
 
 P = ParallelConfig
 #: (model, old, new) per pattern; stage cases drop the last two old pipeline stages
@@ -95,6 +99,11 @@ def one(opt: str, pattern: str, idx: int) -> dict:
     p = plan(inputs)
     t3 = time.perf_counter()
     c3 = time.process_time()
+    # what the decider plans before it publishes (the assignment and the totals)
+    c = time.process_time()
+    decided = decider_plan(inputs)
+    decide_cpu = time.process_time() - c
+    assert decided.assignment == p.assignment
     # what one rank replays at a resize: only its own part, with the published assignment
     rank_cpu = {}
     for device in sample_devices(p.assignment, leave):
@@ -107,7 +116,7 @@ def one(opt: str, pattern: str, idx: int) -> dict:
         "optimizer": opt, "pattern": pattern, "model": model, "from": str(old), "to": str(new),
         "devices": old.world_size, "leave": f"{leave[0]}-{leave[-1]}" if pattern == "stage"
         else f"{len(leave)} ranks", "inputs_s": t1 - t0, "plan_s": t3 - t1, "cpu_s": c3 - c2,
-        "rank_cpu_s": rank_cpu[worst], "rank_worst": worst,
+        "decide_cpu_s": decide_cpu, "rank_cpu_s": rank_cpu[worst], "rank_worst": worst,
         "rss_MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "moved_GiB": s["moved_bytes"] / 2**30, "at_lower_bound":
         s["moved_bytes"] == s["lower_bound_moved_bytes"], "messages": s["messages"],
@@ -154,7 +163,7 @@ def main() -> None:
     patterns = ["dp", "scatter", "stage"] if args.pattern == "all" else [args.pattern]
     print(_load() + " (cpu_s is process CPU time)")
     print(f"{'optimizer':11} {'leave':7} {'model':10} {'from':>12} {'to':>12} {'devices':>7} "
-          f"{'inputs_s':>8} {'plan_s':>7} {'cpu_s':>6} {'rank_s':>6} {'rss_MiB':>8} "
+          f"{'inputs_s':>8} {'plan_s':>7} {'cpu_s':>6} {'decide':>6} {'rank_s':>6} {'rss_MiB':>8} "
           f"{'moved_GiB':>9} "
           f"{'=bound':>6} {'messages':>8} {'rounds':>6}")
     rows = []
@@ -169,7 +178,7 @@ def main() -> None:
                 rows.append(r)
                 print(f"{opt:11} {pattern:7} {r['model']:10} {r['from']:>12} {r['to']:>12} "
                       f"{r['devices']:>7} {r['inputs_s']:8.2f} {r['plan_s']:7.2f} "
-                      f"{r['cpu_s']:6.2f} {r['rank_cpu_s']:6.2f} {r['rss_MiB']:8.0f} "
+                      f"{r['cpu_s']:6.2f} {r['decide_cpu_s']:6.2f} {r['rank_cpu_s']:6.2f} {r['rss_MiB']:8.0f} "
                       f"{r['moved_GiB']:9.1f} "
                       f"{'yes' if r['at_lower_bound'] else 'NO':>6} {r['messages']:>8} "
                       f"{r['rounds']:>6}", flush=True)
@@ -177,6 +186,9 @@ def main() -> None:
     print()
     print("whole plan, cpu_s:")
     print("\n".join(_summary(rows)))
+    print()
+    print("the decider's plan (runtime.generation.decider_plan), cpu_s:")
+    print("\n".join(_summary(rows, "decide_cpu_s")))
     print()
     print("one rank's own part (plan(..., for_device=...)), the slowest sampled rank, cpu_s:")
     print("\n".join(_summary(rows, "rank_cpu_s")))

@@ -322,9 +322,46 @@ def test_a_devices_part_of_the_plan_is_its_share_of_the_whole(sc, dead):
         del inputs.old_device_class[d]
     whole = plan(inputs)
     for device in [*inputs.old_device_class, *inputs.joiners]:
-        part = plan(inputs, whole.assignment, for_device=device)
+        part = plan(inputs, whole.assignment, for_device=device)  # a rank at a resize
         assert _share(part, device) == _share(whole, device), device
         assert part.stats["part"] is True and part.assignment == whole.assignment
+        decider = plan(inputs, for_device=device)  # the decider: it finds the assignment
+        assert decider.assignment == whole.assignment
+        assert _share(decider, device) == _share(whole, device), device
+        assert _totals(decider) == _totals(whole), device
+
+
+TOTALS = ("moved_bytes", "local_bytes", "missing_bytes", "lower_bound_moved_bytes",
+          "naive_moved_bytes", "needed_bytes", "state_bytes")
+
+
+def _totals(p: MigrationPlan) -> dict:
+    return {k: p.stats[k] for k in TOTALS}
+
+
+_UNTIED = GPTSpec(layers=4, hidden=32, heads=4, ffn=64, vocab=200, seq=16,
+                  tied_embeddings=False)
+
+
+@pytest.mark.parametrize("opt", ["adam", "distributed"])
+@pytest.mark.parametrize("old,new,dead,pad", [
+    ("tp1pp2dp2", "tp1pp2dp1", ("2", "3"), 8),  # a whole stage vanished: its state is lost
+    ("tp2pp2dp2", "tp2pp2dp1", "tp1pp0", 8),  # TP rank 1 of stage 0, in every replica
+    ("tp1pp1dp4", "tp4pp1dp1", (), None),  # plain vocabulary padding: new rows nobody held
+])
+def test_the_deciders_part_plan_reports_the_whole_moves_totals(opt, old, new, dead, pad):
+    old_cfg = ParallelConfig.parse(old)
+    inputs = gpt_inputs(_UNTIED, old_cfg, ParallelConfig.parse(new), [], 0, 8, opt, 10**6,
+                        vocab_pad_tp=pad)
+    if dead == "tp1pp0":
+        dead = tuple(str(r) for r in range(old_cfg.world_size)
+                     if (old_cfg.coord(r).tp, old_cfg.coord(r).pp) == (1, 0))
+    for d in dead:
+        del inputs.old_device_class[d]
+    whole = plan(inputs)
+    assert whole.stats["missing_bytes"] > 0  # the case the totals must get right
+    for device in inputs.old_device_class:
+        assert _totals(plan(inputs, for_device=device)) == _totals(whole), device
 
 
 def test_a_part_plans_only_the_stages_a_device_takes_part_in():

@@ -442,8 +442,13 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None, *,
     component, a receiver's receive slot only on messages of its new class's component.
     So the messages with ``for_device`` at either end (rounds included), its local copies
     and its missing pieces are exactly the whole plan's; sources, messages and rounds are
-    computed for those two components only.  ``stats`` then describe that part
-    (``stats["part"]`` is True); the assignment is the whole one.
+    computed for those two components only.  ``stats["part"]`` is True and the stats that
+    come from sources and rounds (messages, rounds, send/receive maxima, staging,
+    inter-node bytes) describe that part; the assignment is the whole one.  Without an
+    assignment (the decider: the assignment needs the whole state) the byte totals
+    (moved, local, missing, the bounds) are still the whole move's, from the overlap
+    terms; with one, the state outside the part is not even indexed
+    (:func:`_device_part`) and the totals are the part's too.
     """
     if assignment is not None:
         _check_assignment(inputs, assignment)
@@ -451,8 +456,6 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None, *,
                                        or for_device in inputs.joiners):
         raise UsageError(f"for_device {for_device!r} is neither an old device nor a joiner")
     t0 = time.perf_counter()
-    if for_device is not None and assignment is not None:
-        inputs = _device_part(inputs, assignment, for_device)
     # Why no garbage collector: planning allocates millions of small tuples and pieces and
     # frees almost none of them before it returns, so every generation-2 pass walks the
     # whole growing heap for nothing (~40 % of the time at 8k devices).  The planner builds
@@ -460,6 +463,8 @@ def plan(inputs: PlanInputs, assignment: list[str] | None = None, *,
     was_enabled = gc.isenabled()
     gc.disable()
     try:
+        if for_device is not None and assignment is not None:
+            inputs = _device_part(inputs, assignment, for_device)
         return _plan(inputs, assignment, t0, for_device)
     finally:
         if was_enabled:
@@ -835,7 +840,36 @@ def _plan(inputs: PlanInputs, assignment: list[str] | None, t0: float,
     }
     if part is not None:
         stats["part"] = True
+        if given is None:  # the whole state was indexed: the whole move's byte totals
+            stats.update(_whole_totals(inputs, old, new, terms, optimal_overlap,
+                                       naive_overlap))
     return MigrationPlan(final, messages, local_out, missing_out, idle, stats)
+
+
+def _whole_totals(inputs: PlanInputs, old: _Index, new: _Index,
+                  terms: dict[tuple[int, int], int], optimal_overlap: int,
+                  naive_overlap: int) -> dict[str, int]:
+    """The whole plan's byte totals without its sources: every needed element either is in
+    place (the assignment's overlap), or arrives from a live holder, or is missing.
+
+    An element is missing when no old piece covering it has a live holder (distinct old
+    pieces are disjoint, so the overlap terms of the holder sets with a live device count
+    each covered element once).
+    """
+    live = set(inputs.old_device_class.values())
+    covered: dict[int, int] = defaultdict(int)  # needer set → bytes some live device holds
+    for (so, sn), b in terms.items():
+        if not live.isdisjoint(old.classes_of_set(so)):
+            covered[sn] += b
+    need_bytes = missing = 0
+    for nc in inputs.new_rank_class:
+        need = new.class_bytes[nc]
+        need_bytes += need
+        missing += need - sum(covered.get(sn, 0) for sn in new.sets_of_class[nc])
+    return {"moved_bytes": need_bytes - optimal_overlap - missing,
+            "local_bytes": optimal_overlap, "missing_bytes": missing,
+            "lower_bound_moved_bytes": need_bytes - optimal_overlap - missing,
+            "naive_moved_bytes": need_bytes - naive_overlap - missing}
 
 
 def _device_part(inputs: PlanInputs, assignment: list[str], device: str) -> PlanInputs:

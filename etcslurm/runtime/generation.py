@@ -149,6 +149,24 @@ def plan_inputs(settings: LayoutSettings, record: GenerationRecord) -> PlanInput
     )
 
 
+def decider_plan(inputs: PlanInputs) -> MigrationPlan:
+    """The decider's plan: the assignment, the whole move's byte totals, and which pieces
+    are missing.
+
+    Why a part: the decider needs the assignment (which needs the whole state's overlaps)
+    and the totals, not every rank's messages; those come from one device's part of the
+    plan (``plan(..., for_device=...)``: its ``messages``/``rounds`` stats are that
+    part's, marked ``part``).  The device is the middle one of the old world: usually in
+    an inner pipeline stage, whose part is one stage (the first and last stage are one
+    part when the embedding is tied).  Only when
+    something is missing (``missing_bytes``, exact in a part) does it plan the whole
+    move, to name the missing pieces (lost state, or vocabulary rows to zero-fill).
+    """
+    old = sorted(inputs.old_device_class, key=int)
+    part = plan(inputs, for_device=old[len(old) // 2])
+    return plan(inputs) if part.stats["missing_bytes"] else part
+
+
 def lost_pieces(migration: MigrationPlan, old_vocab_rows: int | dict[str, int]) -> list[Piece]:
     """The pieces of a plan's ``missing`` that are really lost: vocabulary rows that no
     old layout had (a TP change grew the padded vocabulary) are filled, not lost
@@ -334,7 +352,7 @@ def next_generation(
         assignment=(), union=union, joining=tuple(joiners), idle=(), planner_ids=planner_ids,
         layout_reason=layout_reason, requested=requested,
     )
-    migration = plan(plan_inputs(settings, draft))
+    migration = decider_plan(plan_inputs(settings, draft))
     by_id = {v: k for k, v in planner_ids.items()}
     world = [by_id[d] for d in migration.assignment]
     in_world, gone = set(world), set(leavers)

@@ -386,7 +386,7 @@ def publish_next(ctx: Context, reason: str, extra_dead: tuple[str, ...] = ()) ->
     if migration is not None:
         record = replace(record, plan_stats={k: migration.stats.get(k) for k in (
             "moved_bytes", "local_bytes", "state_bytes", "messages", "rounds",
-            "lower_bound_moved_bytes", "missing_bytes")})
+            "lower_bound_moved_bytes", "missing_bytes", "part")})
     if pending:
         coord.take_changes(len(pending))
     if coord.publish_generation(record):
