@@ -321,6 +321,7 @@ def test_a_devices_part_of_the_plan_is_its_share_of_the_whole(sc, dead):
     for d in staying[:min(dead, spare)]:  # vanished holders: their pieces may be missing
         del inputs.old_device_class[d]
     whole = plan(inputs)
+    assert "part" not in whole.stats
     for device in [*inputs.old_device_class, *inputs.joiners]:
         part = plan(inputs, whole.assignment, for_device=device)  # a rank at a resize
         assert _share(part, device) == _share(whole, device), device

@@ -428,6 +428,27 @@ class _Index:
 
 
 # --------------------------------------------------------------------------- planner
+class _UnionFind:
+    """Disjoint sets of ``0..n-1`` (path halving; the smaller root wins: deterministic)."""
+
+    __slots__ = ("parent",)
+
+    def __init__(self, n: int):
+        self.parent = list(range(n))
+
+    def find(self, x: int) -> int:
+        parent = self.parent
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+
 def plan(inputs: PlanInputs, assignment: list[str] | None = None, *,
          for_device: str | None = None) -> MigrationPlan:
     """Compute the migration plan (see module docstring).
@@ -511,18 +532,8 @@ def _plan(inputs: PlanInputs, assignment: list[str] | None, t0: float,
         return total
 
     # ---- components of the class overlap graph (union-find over old+new classes)
-    parent = list(range(n_oc + n_nc))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    def union(a: int, b: int) -> None:
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[max(ra, rb)] = min(ra, rb)
+    components = _UnionFind(n_oc + n_nc)
+    find, union = components.find, components.union
 
     old_rep: dict[int, int] = {}
     new_rep: dict[int, int] = {}
@@ -732,18 +743,18 @@ def _plan(inputs: PlanInputs, assignment: list[str] | None, t0: float,
     local_out: dict[str, list[Piece]] = {}
     missing_out: dict[str, list[Piece]] = {}
     local_bytes = missing_bytes = 0
-    part: set[int] | None = None  # the new classes whose ranks are planned (None: all)
+    planned: set[int] | None = None  # the new classes whose ranks are planned (None: all)
     if for_device is not None:
         roots = set()
         if for_device in inputs.old_device_class:
             roots.add(find(inputs.old_device_class[for_device]))
         if for_device in final:
             roots.add(find(n_oc + inputs.new_rank_class[final.index(for_device)]))
-        part = {c for c in range(n_nc) if find(n_oc + c) in roots}
+        planned = {c for c in range(n_nc) if find(n_oc + c) in roots}
     for r in range(n_new):
         d = final[r]
         nc = inputs.new_rank_class[r]
-        if part is not None and nc not in part:
+        if planned is not None and nc not in planned:
             continue
         oc = inputs.old_device_class.get(d)
         held_blocks = tuple(inputs.old_class_blocks[oc]) if oc is not None else ()
@@ -838,7 +849,7 @@ def _plan(inputs: PlanInputs, assignment: list[str] | None, t0: float,
         "tp_groups_split_across_nodes": _tp_split(final, inputs),
         "plan_seconds": round(time.perf_counter() - t0, 6),
     }
-    if part is not None:
+    if for_device is not None:
         stats["part"] = True
         if given is None:  # the whole state was indexed: the whole move's byte totals
             stats.update(_whole_totals(inputs, old, new, terms, optimal_overlap,
@@ -909,18 +920,8 @@ def _device_part(inputs: PlanInputs, assignment: list[str], device: str) -> Plan
                 hi_run = max(hi_run, rng[1])
             cell_of[(key, rng)] = cell
     n_cells = len(cell_of)
-    parent = list(range(n_cells + len(inputs.old_class_blocks) + len(inputs.new_class_blocks)))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    def union(a: int, b: int) -> None:
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[max(ra, rb)] = min(ra, rb)
+    parts = _UnionFind(n_cells + len(inputs.old_class_blocks) + len(inputs.new_class_blocks))
+    find, union = parts.find, parts.union
 
     block_cell: list[list[int | None]] = []
     for spans in block_spans:
