@@ -158,9 +158,9 @@ def decider_plan(inputs: PlanInputs) -> MigrationPlan:
     plan (``plan(..., for_device=...)``: its ``messages``/``rounds`` stats are that
     part's, marked ``part``).  The device is the middle one of the old world: usually in
     an inner pipeline stage, whose part is one stage (the first and last stage are one
-    part when the embedding is tied).  Only when
-    something is missing (``missing_bytes``, exact in a part) does it plan the whole
-    move, to name the missing pieces (lost state, or vocabulary rows to zero-fill).
+    part when the embedding is tied).  Only when something is missing (``missing_bytes``,
+    exact in a part) does it plan the whole move, to name the missing pieces (lost state,
+    or vocabulary rows to zero-fill).
     """
     old = sorted(inputs.old_device_class, key=int)
     part = plan(inputs, for_device=old[len(old) // 2])

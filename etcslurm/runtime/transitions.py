@@ -350,8 +350,8 @@ def _live_plan(ctx: Context, record: GenerationRecord, migration: Any) -> Migrat
         known = [p for pieces in plan.missing.values() for p in pieces][:1]
         raise StateLostError(
             f"generation {record.generation}: {lost} state pieces of the new layout have no "
-            f"holder among the participants (first{' known here' if known else ''}: "
-            f"{known or 'in another rank part of the plan'})")
+            f"holder among the participants (first: "
+            f"{known or 'in another rank’s part of the plan'})")
     return plan
 
 
