@@ -215,3 +215,28 @@ def test_cli_submit_via_submitit_local(tmp_path: object, capsys: pytest.CaptureF
     assert list(Path(str(tmp_path)).rglob("*_result.pkl")), "the local Submitit job gave no result"
     assert cli_main(["submit", "--via", "submitit", "--worker", "x:y", "--set", "array=0-1"]) == 2
     assert "unknown field(s) array for --via submitit" in capsys.readouterr().err
+
+
+def test_scontrol_requeue_is_started_deaf_to_the_sigterm_its_requeue_sends() -> None:
+    # the requeue ends the job's step (SIGTERM to every process in it, scontrol included):
+    # scontrol must live to read the answer, and this process keeps its own handler
+    import subprocess
+
+    from etcslurm.job.environment import _children_ignore_sigterm
+
+    before = signal.getsignal(signal.SIGTERM)
+    with _children_ignore_sigterm():
+        child = subprocess.Popen(["sleep", "30"])
+    plain = subprocess.Popen(["sleep", "30"])
+    try:
+        assert signal.getsignal(signal.SIGTERM) == before
+        child.send_signal(signal.SIGTERM)
+        plain.send_signal(signal.SIGTERM)
+        assert plain.wait(timeout=10) == -signal.SIGTERM  # the control: SIGTERM kills sleep
+        time.sleep(0.3)
+        assert child.poll() is None
+    finally:
+        child.kill()
+        plain.kill()
+        child.wait(timeout=10)
+        plain.wait(timeout=10)

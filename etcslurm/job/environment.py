@@ -14,12 +14,15 @@ one place to learn where its coordinator is.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from etcslurm.errors import EtcslurmError, UsageError
@@ -355,6 +358,29 @@ def scontrol_hostnames(hostlist: str, timeout: float = 10.0) -> list[str]:
     return expand_hostlist(hostlist)
 
 
+@contextlib.contextmanager
+def _children_ignore_sigterm() -> Iterator[None]:
+    """Processes started inside ignore SIGTERM (an ignored signal stays ignored across
+    ``exec``).
+
+    Why: ``scontrol requeue`` runs inside the job's step, and the requeue it asks for
+    makes Slurm end that step: SIGTERM to every process in it, SIGKILL after
+    ``KillWait``.  A SIGTERM landing before scontrol has read the controller's answer
+    killed it, and a requeue that took effect was reported as failed (no
+    ``job.requeued``).  This process ignores SIGTERM only while it starts the child
+    (``Popen`` returns once the child has exec'd), and only on the main thread, where
+    signal handlers live (elsewhere nothing changes).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def requeue(job_id: str | None = None, timeout: float = 60.0) -> None:
     """Requeue this job (``scontrol requeue``): the fallback when nothing survives.
 
@@ -367,9 +393,17 @@ def requeue(job_id: str | None = None, timeout: float = 60.0) -> None:
     if not job_id:
         raise UsageError("not inside a Slurm job: nothing to requeue")
     try:
-        res = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
-                             timeout=timeout, check=False)
+        with _children_ignore_sigterm():
+            proc = subprocess.Popen(["scontrol", "requeue", job_id], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise EtcslurmError(f"scontrol requeue {job_id} failed: {exc}") from None
-    if res.returncode != 0:
-        raise EtcslurmError(f"scontrol requeue {job_id} failed: {res.stderr.strip()}")
+    if proc.returncode != 0:
+        why = err.strip() or f"exit status {proc.returncode}"
+        raise EtcslurmError(f"scontrol requeue {job_id} failed: {why}")
