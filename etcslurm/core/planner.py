@@ -831,6 +831,12 @@ def _plan(inputs: PlanInputs, assignment: list[str] | None, t0: float,
             peak = nbytes
         if rnd > rounds:
             rounds = rnd
+    if for_device is not None and given is None:
+        # the whole state was indexed (the decider): the whole move's byte totals, not the
+        # part's -- every needed element is in place, arrives, or is missing
+        missing_bytes = _missing_bytes(inputs, old, new, terms)
+        local_bytes = optimal_overlap
+        moved = need_bytes - optimal_overlap - missing_bytes
     state_bytes = sum(old.class_bytes[c] for c in inputs.old_device_class.values())
     stats = {
         "state_bytes": state_bytes,
@@ -851,36 +857,23 @@ def _plan(inputs: PlanInputs, assignment: list[str] | None, t0: float,
     }
     if for_device is not None:
         stats["part"] = True
-        if given is None:  # the whole state was indexed: the whole move's byte totals
-            stats.update(_whole_totals(inputs, old, new, terms, optimal_overlap,
-                                       naive_overlap))
     return MigrationPlan(final, messages, local_out, missing_out, idle, stats)
 
 
-def _whole_totals(inputs: PlanInputs, old: _Index, new: _Index,
-                  terms: dict[tuple[int, int], int], optimal_overlap: int,
-                  naive_overlap: int) -> dict[str, int]:
-    """The whole plan's byte totals without its sources: every needed element either is in
-    place (the assignment's overlap), or arrives from a live holder, or is missing.
+def _missing_bytes(inputs: PlanInputs, old: _Index, new: _Index,
+                   terms: dict[tuple[int, int], int]) -> int:
+    """The bytes the new ranks need that no live old device holds, without the sources.
 
-    An element is missing when no old piece covering it has a live holder (distinct old
-    pieces are disjoint, so the overlap terms of the holder sets with a live device count
-    each covered element once).
+    Distinct old pieces are disjoint, so the overlap terms of the holder sets that have a
+    live device count each covered element once.
     """
     live = set(inputs.old_device_class.values())
     covered: dict[int, int] = defaultdict(int)  # needer set → bytes some live device holds
     for (so, sn), b in terms.items():
         if not live.isdisjoint(old.classes_of_set(so)):
             covered[sn] += b
-    need_bytes = missing = 0
-    for nc in inputs.new_rank_class:
-        need = new.class_bytes[nc]
-        need_bytes += need
-        missing += need - sum(covered.get(sn, 0) for sn in new.sets_of_class[nc])
-    return {"moved_bytes": need_bytes - optimal_overlap - missing,
-            "local_bytes": optimal_overlap, "missing_bytes": missing,
-            "lower_bound_moved_bytes": need_bytes - optimal_overlap - missing,
-            "naive_moved_bytes": need_bytes - naive_overlap - missing}
+    return sum(new.class_bytes[nc] - sum(covered.get(sn, 0) for sn in new.sets_of_class[nc])
+               for nc in inputs.new_rank_class)
 
 
 def _device_part(inputs: PlanInputs, assignment: list[str], device: str) -> PlanInputs:

@@ -6,8 +6,8 @@ in order, on every participant (old members and joiners):
 
 1. ``build``: a member of the new layout forms the new world and builds the (empty:
    not initialised, :func:`etcslurm.megatron.model.weights_filled_later`) model and
-   optimizer of its layout, or re-wraps the kept one; a leaver (or an idle worker) tears its world down
-   and keeps only its old model's tensors, still readable.  ``describe``: the pieces
+   optimizer of its layout, or re-wraps the kept one; a leaver (or an idle worker) tears
+   its world down and keeps only its old model's tensors, still readable.  ``describe``: the pieces
    the new model needs, with a view of each (megatron-core's sharded state dict).
 2. ``group``: the exchange group over old members + joiners, outside the new world
    (megatron-core modules keep the groups they were built in, and the new world does not
