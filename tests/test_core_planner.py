@@ -194,18 +194,24 @@ def test_state_whose_holders_are_all_gone_is_missing():
 
 
 # ---------------------------------------------------------------- issue 17: fast = reference
-# The planner's fast parts against the straightforward versions they replaced: the same
+# The planner's fast parts against straightforward versions of the same rules: the same
 # plan JSON, byte for byte.
 class _LinearPicker:
-    """The original source choice: a linear min over the holders per slice."""
+    """The source rule slice by slice, as :class:`planner._SourcePicker` states it: the
+    candidates are the live holders on the receiver's node (every live holder when none
+    is), the best the least loaded (ties to the lowest device); the receiver's previous
+    source keeps the slice while it is a candidate within ``slack`` of the best."""
 
-    def __init__(self, nodes, dev_key):
-        self.nodes, self.dev_key, self.load = nodes, dev_key, defaultdict(int)
+    def __init__(self, node_of, n_dev, slack):
+        self.node_of, self.slack, self.load = node_of, slack, [0] * n_dev
 
-    def pick(self, s, cands, node, nbytes):
-        src = min(cands, key=lambda h: (self.nodes[h] != node, self.load[h], self.dev_key[h]))
-        self.load[src] += nbytes
-        return src
+    def take(self, s, cands, node, prev, cum, start):
+        here = [d for d in cands if self.node_of[d] == node] or list(cands)
+        best = min(here, key=lambda d: (self.load[d], d))
+        src = prev if prev in here and self.load[prev] <= self.load[best] + self.slack \
+            else best
+        self.load[src] += cum[start + 1] - cum[start]
+        return src, start + 1
 
 
 def _scan_schedule(chunks, leaving, dev_key=None):
@@ -260,6 +266,69 @@ def test_stage_leave_matches_the_reference(opt, staging):
     assert p.dumps(with_time=False) == reference_plan(inputs).dumps(with_time=False)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.integers(0, 2))
+def test_cover_matches_every_pair_of_pieces(sc, dead):
+    # what each new piece is made of, found with numpy windows, against every (old, new)
+    # pair of pieces of a key intersected one by one
+    from etcslurm.core.planner import _cover, _Index
+    from etcslurm.core.state import box_intersect, box_subtract
+
+    spec, old, new, leave, join, opt, staging, gpn = sc
+    inputs = gpt_inputs(spec, old, new, leave, join, gpn, opt, staging)
+    for blocks in (inputs.old_blocks, inputs.new_blocks):  # some rows nobody holds
+        for pieces in blocks[:dead]:
+            pieces[:] = [p for p in pieces if "embedding" not in p.key]
+    o = _Index(inputs.old_blocks, inputs.old_class_blocks)
+    n = _Index(inputs.new_blocks, inputs.new_class_blocks)
+    made_of, uncovered, terms = _cover(o, n)
+    sums: dict[tuple[int, int], int] = defaultdict(int)
+    for j, p in enumerate(n.pieces):
+        want, regions = [], [p.box]
+        for i, h in enumerate(o.pieces):
+            if h.key == p.key and len(h.box) == len(p.box):
+                inter = box_intersect(p.box, h.box)
+                if inter is not None:
+                    want.append((i, Piece(p.key, inter, p.dtype).to_json(),
+                                 Piece(p.key, inter, p.dtype).nbytes))
+                    regions = [r for reg in regions for r in box_subtract(reg, h.box)]
+        assert [(i, q.to_json(), b) for i, q, b in made_of[j]] == want
+        for i, _, b in want:
+            sums[(o.piece_set[i], n.piece_set[j])] += b
+        gap = sum(Piece(p.key, r, p.dtype).nbytes for r in regions)
+        assert sum(q.nbytes for q in uncovered.get(j, [])) == gap
+    assert terms == sums  # the overlap per (holder set, needer set)
+
+
+@pytest.mark.parametrize("staging", [64 * 1024, 10**9])
+def test_sources_come_in_runs_and_stay_balanced(staging):
+    # the last stage leaves: each of its new ranks picks among every old replica of it.
+    # Slice by slice the least loaded holder would spread every receiver over all 8 of
+    # them; the sticky rule keeps no sender's load more than one message (the slack)
+    # above another's, and when a receiver's state fits a message it has one sender
+    spec = GPTSpec(layers=8, hidden=64, heads=4, ffn=256, vocab=200, seq=16)
+    old, new = ParallelConfig(1, 2, 8), ParallelConfig(1, 2, 4)
+    leave = [str(r) for r in range(8, 16)]  # all of stage 1
+    assert all(old.coord(int(r)).pp == 1 for r in leave)
+    inputs = gpt_inputs(spec, old, new, leave, 0, 8, "adam", staging)
+    p = plan(inputs)
+    check_plan(inputs, p)
+    senders: dict[str, set] = defaultdict(set)
+    load: dict[str, int] = defaultdict(int)
+    for m in p.messages:
+        senders[m.dst].add(m.src)
+        load[m.src] += m.nbytes
+    assert sorted(senders) == sorted(p.assignment[4:])
+    assert sum(load.values()) == p.stats["moved_bytes"] == p.stats["lower_bound_moved_bytes"]
+    biggest = max(s.nbytes for m in p.messages for s in m.slices)
+    if staging < biggest * 100:
+        assert set(load) == set(leave)  # every holder shares the work
+        assert max(load.values()) - min(load.values()) <= staging + biggest
+    else:
+        assert max(len(s) for s in senders.values()) == 1
+        assert p.stats["messages"] == 4
+
+
 def test_box_helpers_match_box_intersect():
     import random
 
@@ -284,22 +353,40 @@ def test_box_helpers_match_box_intersect():
             assert _subtract_inside(a, inter) == box_subtract(a, b)
 
 
-def test_source_picker_matches_linear_min():
+def test_source_picker_matches_the_slice_by_slice_rule():
+    # runs of slices from random holder sets to receivers on random nodes, each receiver
+    # continuing from its previous source: the fast picker's runs are the rule's choices
     import random
 
-    from etcslurm.core.planner import _dev_key, _SourcePicker
+    from etcslurm.core.planner import _SourcePicker
 
     rng = random.Random(1)
-    devs = [str(i) for i in range(40)]
-    nodes = {d: f"n{int(d) // rng.choice([1, 4, 8])}" for d in devs}
-    key = {d: _dev_key(d) for d in devs}
-    sets = [sorted(rng.sample(devs, rng.randint(2, 12)), key=_dev_key) for _ in range(6)]
-    fast, slow = _SourcePicker(nodes, key), _LinearPicker(nodes, key)
-    for _ in range(3000):
-        s = rng.randrange(len(sets))
-        node = f"n{rng.randrange(12)}"
-        nbytes = rng.choice([1, 7, 100, 4096])
-        assert fast.pick(s, sets[s], node, nbytes) == slow.pick(s, sets[s], node, nbytes)
+    n_dev = 40
+    node_of = [d // rng.choice([1, 4, 8]) for d in range(n_dev)]
+    sets = [sorted(rng.sample(range(n_dev), rng.randint(2, 12))) for _ in range(6)]
+    for slack in (0, 50, 5000):
+        fast, slow = _SourcePicker(node_of, n_dev, slack), _LinearPicker(node_of, n_dev, slack)
+        prev_fast = prev_slow = -1
+        for _ in range(400):
+            if rng.random() < 0.2:  # a new receiver: no previous source
+                prev_fast = prev_slow = -1
+            s = rng.randrange(len(sets))
+            node = rng.randrange(12)
+            sizes = [rng.choice([1, 7, 100, 4096]) for _ in range(rng.randint(1, 30))]
+            cum = [0]
+            for n in sizes:
+                cum.append(cum[-1] + n)
+            got, want = [], []
+            start = 0
+            while start < len(sizes):
+                prev_fast, stop = fast.take(s, sets[s], node, prev_fast, cum, start)
+                got.extend([prev_fast] * (stop - start))
+                start = stop
+            for k in range(len(sizes)):
+                prev_slow, _ = slow.take(s, sets[s], node, prev_slow, cum, k)
+                want.append(prev_slow)
+            assert got == want
+        assert fast.load == slow.load
 
 
 # ---------------------------------------------------------------- issue 17: a rank's part
