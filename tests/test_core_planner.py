@@ -329,6 +329,38 @@ def test_sources_come_in_runs_and_stay_balanced(staging):
         assert p.stats["messages"] == 4
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_assignment_by_blocks_is_as_good_as_one_solve(seed):
+    # matrices like a stage's under the distributed optimizer: a large gain inside each
+    # TP block plus small gains everywhere (some made to break the block condition); the
+    # matching, by blocks or not, is worth exactly what one dense solve finds
+    from scipy.optimize import linear_sum_assignment
+
+    from etcslurm.core.planner import _assign, _blocks
+
+    rng = np.random.default_rng(seed)
+    k, rows, cols = rng.integers(2, 6), rng.integers(80, 120), rng.integers(80, 120)
+    w = rng.integers(0, 50, size=(k * rows, k * cols)).astype(np.float64)
+    for b in range(k):
+        w[b * rows:(b + 1) * rows, b * cols:(b + 1) * cols] += 10_000
+    if seed % 3 == 1:  # a cross entry as large as the block's: blocks no longer provable
+        w[0, -1] = 20_000
+    if seed % 3 == 2:  # the last block has fewer device classes than ranks (separable
+        w = w[: k * rows - rows // 2]  # or not, depending on the devices per class)
+    dev = rng.permutation(np.repeat(np.arange(w.shape[0]), rng.integers(1, 3, w.shape[0])))
+    rank = rng.permutation(np.arange(w.shape[1]))
+    pairs = _assign(w, dev.tolist(), rank.tolist())
+    m = w[np.ix_(dev, rank)]
+    r, c = linear_sum_assignment(m, maximize=True)
+    assert sum(m[a, b] for a, b in pairs) == m[r, c].sum()
+    assert len({a for a, _ in pairs}) == len(pairs) == len({b for _, b in pairs})
+    used = _blocks(w, dev, rank)
+    if seed % 3 == 0:  # provably separable: solved by blocks
+        assert used is not None and len(used) == k
+    if seed % 3 == 1:  # not provable: one solve
+        assert used is None
+
+
 def test_box_helpers_match_box_intersect():
     import random
 

@@ -582,7 +582,8 @@ def _plan(inputs: PlanInputs, assignment: list[str] | None, t0: float,
     assignment: list[str | None] = [None] * n_new
     used: set[str] = set()
     optimal_overlap = 0
-    for comp in sorted(comp_ranks) if given is None else ():
+    gains = _Gains(old, new, terms, find) if given is None else None
+    for comp in sorted(comp_ranks) if gains is not None else ():
         ranks = comp_ranks[comp]
         devs = comp_devices.get(comp, [])
         if not devs:
@@ -590,35 +591,7 @@ def _plan(inputs: PlanInputs, assignment: list[str] | None, t0: float,
         d_cls = sorted({inputs.old_device_class[d] for d in devs})
         r_cls = sorted({inputs.new_rank_class[r] for r in ranks})
         ri = {c: k for k, c in enumerate(r_cls)}
-        w = np.zeros((len(d_cls), len(r_cls)), dtype=np.float64)
-        # each holder set's gains per rank class, once: a dense row when it reaches many
-        # classes (a replicated block), else (column, bytes) pairs (a ZeRO-1 shard meets
-        # one or two new shards, where a numpy call per set would cost more than the adds).
-        # Every partial sum is an integer below 2**53, so the order of the float adds
-        # cannot change w.
-        row_cache: dict[int, np.ndarray | list[tuple[int, int]]] = {}
-        for a, oc in enumerate(d_cls):
-            wa = w[a]
-            for so in old.sets_of_class[oc]:
-                ent = row_cache.get(so)
-                if ent is None:
-                    acc: dict[int, int] = defaultdict(int)
-                    for sn, b in terms_by_old.get(so, {}).items():
-                        for c in new.classes_of_set(sn):
-                            k = ri.get(c)
-                            if k is not None:
-                                acc[k] += b
-                    if len(acc) > 8:
-                        ent = np.zeros(len(r_cls), dtype=np.float64)
-                        ent[list(acc)] = list(acc.values())
-                    else:
-                        ent = list(acc.items())
-                    row_cache[so] = ent
-                if isinstance(ent, list):
-                    for k, b in ent:
-                        wa[k] += b
-                else:
-                    wa += ent
+        w = gains.matrix(comp, d_cls, r_cls)
         di = {c: k for k, c in enumerate(d_cls)}
         pairs_ab = _assign(w, [di[inputs.old_device_class[d]] for d in devs],
                            [ri[inputs.new_rank_class[r]] for r in ranks])
@@ -1313,19 +1286,186 @@ def _schedule(chunks: list[tuple[str, str, list[Piece], int]], leaving: Iterable
     return out
 
 
+class _Gains:
+    """The bytes each old class holds of what each new class needs, as the dense matrix of
+    one component at a time (the assignment's weights).
+
+    Why not class by class: with the distributed optimizer every device is a class, and
+    adding each ZeRO-1 shard's one or two overlap terms into a row in Python was most of
+    the assignment's time at 16k devices.  A term whose holder set and needer set are one
+    class each (a shard meeting a shard) is one entry, a term of a few classes a few:
+    those are summed in with one ``np.bincount`` per component; the few terms of widely
+    replicated pieces (a model slice every DP replica holds) are added as dense blocks.  Every partial sum is an integer below
+    2**53, so the float adds are exact in any order.
+    """
+
+    def __init__(self, old: _Index, new: _Index, terms: dict[tuple[int, int], int],
+                 find) -> None:
+        self.old, self.new = old, new
+        n_oc = len(old.sets_of_class)
+        self.n_oc, self.n_nc = n_oc, len(new.sets_of_class)
+        self.find = find
+        single_old = _single_class(old)
+        single_new = _single_class(new)
+        so = np.fromiter((k[0] for k in terms), dtype=np.int64, count=len(terms))
+        sn = np.fromiter((k[1] for k in terms), dtype=np.int64, count=len(terms))
+        nbytes = np.fromiter(terms.values(), dtype=np.float64, count=len(terms))
+        oc, nc = single_old[so], single_new[sn]
+        narrow = (oc >= 0) & (nc >= 0)
+        comp_of = np.fromiter((find(c) for c in range(n_oc)), dtype=np.int64, count=n_oc)
+        # the other terms: expanded to (old class, new class) entries when they are few,
+        # else kept to be added as one dense block
+        self.wide: dict[int, list[tuple[list[int], list[int], int]]] = defaultdict(list)
+        extra_o: list[np.ndarray] = [oc[narrow]]
+        extra_n: list[np.ndarray] = [nc[narrow]]
+        extra_b: list[np.ndarray] = [nbytes[narrow]]
+        for t in np.flatnonzero(~narrow).tolist():
+            o_cls = old.classes_of_set(int(so[t]))
+            n_cls = new.classes_of_set(int(sn[t]))
+            if not o_cls or not n_cls:
+                continue
+            if len(o_cls) * len(n_cls) > 4096:
+                self.wide[find(o_cls[0])].append((o_cls, n_cls, int(nbytes[t])))
+                continue
+            extra_o.append(np.repeat(np.asarray(o_cls, dtype=np.int64), len(n_cls)))
+            extra_n.append(np.tile(np.asarray(n_cls, dtype=np.int64), len(o_cls)))
+            extra_b.append(np.full(len(o_cls) * len(n_cls), nbytes[t]))
+        oc_n, nc_n, b_n = (np.concatenate(x) for x in (extra_o, extra_n, extra_b))
+        comp_n = comp_of[oc_n]
+        order = np.argsort(comp_n, kind="stable")
+        comp_n, oc_n, nc_n, b_n = comp_n[order], oc_n[order], nc_n[order], b_n[order]
+        cuts = np.flatnonzero(np.diff(comp_n)) + 1
+        self.entries = {int(g[0]): (o, n, b) for g, o, n, b in zip(
+            np.split(comp_n, cuts), np.split(oc_n, cuts), np.split(nc_n, cuts),
+            np.split(b_n, cuts), strict=True) if len(g)}
+
+    def matrix(self, comp: int, d_cls: list[int], r_cls: list[int]) -> np.ndarray:
+        """``w[i, j]``: bytes old class ``d_cls[i]`` holds of what new class ``r_cls[j]``
+        needs (classes of component ``comp``)."""
+        w = np.zeros((len(d_cls), len(r_cls)), dtype=np.float64)
+        pos_o = np.full(self.n_oc, -1, dtype=np.int64)
+        pos_o[d_cls] = np.arange(len(d_cls))
+        pos_n = np.full(self.n_nc, -1, dtype=np.int64)
+        pos_n[r_cls] = np.arange(len(r_cls))
+        hit = self.entries.get(comp)
+        if hit is not None:
+            o, n, b = hit
+            rows, cols = pos_o[o], pos_n[n]
+            keep = (rows >= 0) & (cols >= 0)
+            flat = rows[keep] * len(r_cls) + cols[keep]
+            w += np.bincount(flat, weights=b[keep], minlength=w.size).reshape(w.shape)
+        for o_cls, n_cls, b in self.wide.get(comp, ()):
+            rows, cols = pos_o[o_cls], pos_n[n_cls]
+            rows, cols = np.sort(rows[rows >= 0]), np.sort(cols[cols >= 0])
+            if len(rows) and len(cols):
+                rs, cs = _as_slice(rows), _as_slice(cols)
+                if isinstance(rs, slice) and isinstance(cs, slice):
+                    w[rs, cs] += b  # in place, strided: a model slice's DP replicas
+                else:
+                    w[np.ix_(rows, cols)] += b
+        return w
+
+
+def _as_slice(idx: np.ndarray) -> slice | np.ndarray:
+    """Sorted positions as a slice when they are evenly spaced, else as they are."""
+    if len(idx) == 1:
+        return slice(int(idx[0]), int(idx[0]) + 1)
+    step = int(idx[1] - idx[0])
+    if step > 0 and (np.diff(idx) == step).all():
+        return slice(int(idx[0]), int(idx[-1]) + 1, step)
+    return idx
+
+
+def _single_class(index: _Index) -> np.ndarray:
+    """For each holder set of ``index``: its one class when it is one block of one class,
+    else -1."""
+    block_class = np.asarray([cl[0] if len(cl) == 1 else -1 for cl in index.classes_of_block]
+                             + [-1], dtype=np.int64)
+    one_block = np.asarray([t[0] if len(t) == 1 else -1 for t in index.sets], dtype=np.int64)
+    return block_class[one_block] if len(one_block) else one_block
+
+
 def _assign(w: np.ndarray, dev_cls: list[int], rank_cls: list[int]) -> list[tuple[int, int]]:
     """Max-weight matching of devices to ranks where device a of class ``dev_cls[a]`` gains
     ``w[dev_cls[a], rank_cls[b]]`` on rank b; only pairs with a positive gain are returned.
 
-    Dense :func:`scipy.optimize.linear_sum_assignment` on the device × rank matrix (exact);
-    classes make its rows/columns repeat, which the solver handles fast.  (Splitting the
-    matrix, less its smallest entry, into independent blocks was tried: with the
-    distributed optimizer the shards of TP-replicated norms tie all TP ranks of a stage
-    together, so nothing splits and finding that out cost more than the solve.)
+    :func:`scipy.optimize.linear_sum_assignment` (exact) on the device × rank matrix --
+    or on each of its blocks when :func:`_blocks` proves that solving them apart is
+    optimal (an 8k-device stage: 8 solves of 96 × 128 instead of one of 768 × 1024,
+    ~20x less).  Classes make rows/columns repeat, which the solver handles fast.
     """
-    m = w[np.ix_(dev_cls, rank_cls)]
-    rows, cols = linear_sum_assignment(m, maximize=True)
-    return [(a, b) for a, b in zip(rows.tolist(), cols.tolist(), strict=True) if m[a, b] > 0]
+    dev = np.asarray(dev_cls, dtype=np.int64)
+    rank = np.asarray(rank_cls, dtype=np.int64)
+    parts = _blocks(w, dev, rank)
+    if parts is None:
+        parts = [(np.arange(len(dev)), np.arange(len(rank)))]
+    pairs: list[tuple[int, int]] = []
+    for rows, cols in parts:
+        if not len(rows) or not len(cols):
+            continue
+        m = w[np.ix_(dev[rows], rank[cols])]
+        sub_r, sub_c = linear_sum_assignment(m, maximize=True)
+        keep = m[sub_r, sub_c] > 0
+        pairs.extend(zip(rows[sub_r[keep]].tolist(), cols[sub_c[keep]].tolist(), strict=True))
+    pairs.sort()
+    return pairs
+
+
+def _blocks(w: np.ndarray, dev: np.ndarray, rank: np.ndarray,
+            ) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """Blocks of devices and ranks that can be matched apart, optimally, or None.
+
+    Why it is exact: say devices are at least as many as ranks, so every matching the
+    solver returns uses every rank.  If each block has at least as many devices as ranks
+    and its smallest entry is no smaller than the largest entry outside the blocks, then
+    any matching can be turned into one inside the blocks that is worth at least as
+    much: keep its pairs inside blocks, and give each rank it matched across blocks a
+    free device of its own block (there is one: the block has enough devices), which
+    gains at least as much as the cross pair did.  (Fewer devices than ranks: the same
+    with the roles swapped.)  Both conditions are checked here (the second as: every
+    block entry is at least a threshold, every other entry below it), so how the blocks
+    are guessed does not matter for exactness: a class joins the block of the first
+    class it gains more than the threshold with (midway in the first row's range).  With the distributed
+    optimizer each TP rank of a stage is such a block: its model slice is worth far more
+    than the shards of TP-replicated norm weights that tie the stage together.  Small
+    matrices are not worth checking.
+    """
+    if w.size < 20_000:
+        return None
+    first = w[0]  # a threshold between a block's entries and the rest (checked below)
+    big = w >= (float(first.max()) + float(first.min())) / 2
+    first_col = np.argmax(big, axis=1)
+    first_row = np.argmax(big, axis=0)
+    has_big = big[first_row, np.arange(w.shape[1])]
+    row_label = first_col
+    col_label = np.where(has_big, first_col[first_row], -1)  # -1: a block of its own
+    labels, row_label, col_label = _relabel(row_label, col_label)
+    n_blocks = len(labels)
+    if n_blocks < 2:
+        return None
+    # every entry of a block above the threshold, every other entry below it: then the
+    # smallest block entry is above the largest other one
+    if not np.array_equal(big, row_label[:, None] == col_label[None, :]):
+        return None
+    rows_of = np.bincount(row_label[dev], minlength=n_blocks)
+    cols_of = np.bincount(col_label[rank], minlength=n_blocks)
+    if len(dev) >= len(rank) and (rows_of < cols_of).any():
+        return None
+    if len(dev) < len(rank) and (rows_of > cols_of).any():
+        return None
+    dev_block, rank_block = row_label[dev], col_label[rank]
+    return [(np.flatnonzero(dev_block == k), np.flatnonzero(rank_block == k))
+            for k in range(n_blocks)]
+
+
+def _relabel(row_label: np.ndarray, col_label: np.ndarray,
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Block labels 0..k-1 for rows and columns (columns labelled -1 get one each)."""
+    lone = col_label < 0
+    col_label = col_label.copy()
+    col_label[lone] = -1 - np.arange(int(lone.sum()))
+    labels, inverse = np.unique(np.concatenate([row_label, col_label]), return_inverse=True)
+    return labels, inverse[:len(row_label)], inverse[len(row_label):]
 
 
 def _tp_split(assignment: list[str], inputs: PlanInputs) -> int:
