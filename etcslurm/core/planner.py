@@ -1430,7 +1430,7 @@ def _blocks(w: np.ndarray, dev: np.ndarray, rank: np.ndarray,
     than the shards of TP-replicated norm weights that tie the stage together.  Small
     matrices are not worth checking.
     """
-    if w.size < 20_000:
+    if len(dev) * len(rank) < 20_000:
         return None
     first = w[0]  # a threshold between a block's entries and the rest (checked below)
     big = w >= (float(first.max()) + float(first.min())) / 2
