@@ -1424,21 +1424,44 @@ def _blocks(w: np.ndarray, dev: np.ndarray, rank: np.ndarray,
     gains at least as much as the cross pair did.  (Fewer devices than ranks: the same
     with the roles swapped.)  Both conditions are checked here (the second as: every
     block entry is at least a threshold, every other entry below it), so how the blocks
-    are guessed does not matter for exactness: a class joins the block of the first
-    class it gains more than the threshold with (midway in the first row's range).  With the distributed
+    are guessed does not matter for exactness: for a threshold taken in one of the
+    widest gaps between the first row's values, a class joins the block of the first
+    class it gains at least the threshold with.  With the distributed
     optimizer each TP rank of a stage is such a block: its model slice is worth far more
     than the shards of TP-replicated norm weights that tie the stage together.  Small
     matrices are not worth checking.
     """
     if len(dev) * len(rank) < 20_000:
         return None
-    first = w[0]  # a threshold between a block's entries and the rest (checked below)
-    big = w >= (float(first.max()) + float(first.min())) / 2
+    for threshold in _thresholds(w[0]):
+        blocks = _blocks_at(w, dev, rank, w >= threshold)
+        if blocks is not None:
+            return blocks
+    return None
+
+
+def _thresholds(row: np.ndarray, tries: int = 3) -> list[float]:
+    """Thresholds to try, between a block's gains and the rest, from one row's values:
+    in the widest gaps (by ratio) between its distinct values, widest first."""
+    values = np.unique(row)
+    if len(values) < 2:
+        return []
+    lo, hi = values[:-1], values[1:]
+    with np.errstate(divide="ignore"):
+        ratio = np.where(lo > 0, hi / np.where(lo > 0, lo, 1), np.inf)
+    order = np.argsort(-ratio, kind="stable")[:tries]
+    return [float(hi[k]) for k in order]
+
+
+def _blocks_at(w: np.ndarray, dev: np.ndarray, rank: np.ndarray, big: np.ndarray,
+               ) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """:func:`_blocks` for one threshold (``big``: the entries at or above it)."""
     first_col = np.argmax(big, axis=1)
     first_row = np.argmax(big, axis=0)
     has_big = big[first_row, np.arange(w.shape[1])]
-    row_label = first_col
-    col_label = np.where(has_big, first_col[first_row], -1)  # -1: a block of its own
+    # -1: nothing at or above the threshold, a block of its own
+    row_label = np.where(big[np.arange(w.shape[0]), first_col], first_col, -1)
+    col_label = np.where(has_big, first_col[first_row], -1)
     labels, row_label, col_label = _relabel(row_label, col_label)
     n_blocks = len(labels)
     if n_blocks < 2:
@@ -1460,12 +1483,13 @@ def _blocks(w: np.ndarray, dev: np.ndarray, rank: np.ndarray,
 
 def _relabel(row_label: np.ndarray, col_label: np.ndarray,
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Block labels 0..k-1 for rows and columns (columns labelled -1 get one each)."""
-    lone = col_label < 0
-    col_label = col_label.copy()
-    col_label[lone] = -1 - np.arange(int(lone.sum()))
-    labels, inverse = np.unique(np.concatenate([row_label, col_label]), return_inverse=True)
-    return labels, inverse[:len(row_label)], inverse[len(row_label):]
+    """Block labels 0..k-1 for rows and columns; each one labelled -1 gets one alone."""
+    rows, cols = row_label.copy(), col_label.copy()
+    lone_r, lone_c = rows < 0, cols < 0
+    rows[lone_r] = -1 - np.arange(int(lone_r.sum()))
+    cols[lone_c] = -1 - int(lone_r.sum()) - np.arange(int(lone_c.sum()))
+    labels, inverse = np.unique(np.concatenate([rows, cols]), return_inverse=True)
+    return labels, inverse[:len(rows)], inverse[len(rows):]
 
 
 def _tp_split(assignment: list[str], inputs: PlanInputs) -> int:
