@@ -21,10 +21,8 @@ class Hooks:
     def after_round(self, generation: int, round_index: int) -> None:
         """This worker finished round ``round_index`` of a state exchange."""
 
-    def buffer_received(self, message: Any, part: int, buffer: Any) -> None:
-        """One part of a received message has landed, before it is summed for the
-        checksum (its bytes may be changed): ``part`` 0 is the packed buffer, which lands
-        last, ``k`` the message's part ``k`` (its segments, cut into parts, in order)."""
+    def message_received(self, message: Any, buffers: list[Any]) -> None:
+        """A message arrived (before its checksum is verified); buffers may be changed."""
 
     def after_step(self, step: int, seconds: float) -> None:
         """Step ``step`` finished after ``seconds`` (its update applied, loss reduced)."""

@@ -85,22 +85,12 @@ def test_corrupt_once_flips_one_byte_of_the_first_matching_message() -> None:
     other = SimpleNamespace(src="2", dst="1")
     msg = SimpleNamespace(src="0", dst="1")
     packed, segment = torch.zeros(16, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
-    h.buffer_received(other, 1, segment)
+    h.message_received(other, [packed, segment])
     assert not segment.any() and not h.fired
-    h.buffer_received(msg, 1, segment)  # the first part to land, once
-    h.buffer_received(msg, 0, packed)
-    assert int(segment[3]) == 0x10 and not packed.any()
-    h.buffer_received(msg, 1, segment)
+    h.message_received(msg, [packed, segment])
+    assert int(segment[3]) == 0x10 and not packed.any()  # the last buffer, once
+    h.message_received(msg, [packed, segment])
     assert int(segment[3]) == 0x10
-
-
-def test_corrupt_once_can_choose_the_part() -> None:
-    h = CorruptOnce(offset=1, mask=0x01, part=2)
-    msg = SimpleNamespace(src="0", dst="1")
-    first, second = torch.zeros(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
-    h.buffer_received(msg, 1, first)
-    h.buffer_received(msg, 2, second)
-    assert not first.any() and int(second[1]) == 0x01 and h.fired
 
 
 def test_the_test_worker_hands_its_hooks_to_the_runtime_worker(

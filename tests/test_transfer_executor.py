@@ -202,28 +202,3 @@ def test_arena_is_sized_for_the_segments_that_must_be_staged() -> None:
     worst = staging_bytes_per_round(msgs, "0", 64)
     # the packed buffer (no payload, two checksum words) takes one 64-byte line
     assert exact == {0: 64, 1: 64 + 128} and worst == {0: 64 + 128, 1: 64 + 128}
-
-
-def test_layout_cuts_large_segments_into_parts_with_a_checksum_word_each() -> None:
-    slices = [Piece("a", ((0, 10),), "float32"), Piece("b", ((0, 3),), "float32"),
-              Piece("c", ((0, 4),), "float32")]
-    # a (40 bytes) in parts of 16, 16 and 8 bytes; b (12 bytes) packed; c one part
-    layout = message_layout(slices, direct_min=16, part_bytes=16)
-    assert layout.direct == (0, 2) and layout.packed == (1,)
-    assert layout.parts == ((0, 0, 16), (0, 16, 32), (0, 32, 40), (1, 0, 16))
-    assert layout.payload == 16 and layout.size == 16 + 5 * 8
-    assert layout.wire_bytes == 12 + 4 + 40 + 16
-
-
-def test_segments_cut_into_parts_on_an_exchange_group_arrive_exact(selftest: list[dict]) -> None:
-    """Parts posted one by one on a bare group, each summed as it lands (t staged, u in
-    place, 16-byte parts)."""
-    for r in selftest:
-        assert r["parts_exact"] is True
-
-
-def test_checksum_mismatch_in_a_part_names_the_piece_and_its_bytes(selftest: list[dict]) -> None:
-    err = selftest[1]["corrupt_part_error"]
-    assert err is not None and err.startswith("MigrationError: checksum mismatch")
-    assert "0 -> 1" in err and "segment 2, bytes 16-32 of 48, first piece u0" in err
-    assert selftest[0]["corrupt_part_error"] is None

@@ -45,31 +45,26 @@ class MigrationDelay(Hooks):
 
 
 class CorruptOnce(Hooks):
-    """Flip ``mask`` in byte ``offset`` of one buffer of the first received message that
-    matches (``src``/``dst`` device ids, ``None`` = any), once, as it lands (before the
-    receiver sums it), so the checksum check fails: in part ``part`` (0: the packed
-    buffer, k: segment k), or with ``part=None`` in the message's first part to land --
-    its first segment if it has segments, else its packed buffer."""
+    """Flip ``mask`` in byte ``offset`` of the first received message that matches
+    (``src``/``dst`` device ids, ``None`` = any), once: in its last buffer -- the last
+    segment if it has segments, else the packed buffer -- so the checksum check fails."""
 
     def __init__(self, src: str | None = None, dst: str | None = None, offset: int = 3,
-                 mask: int = 0x10, part: int | None = None) -> None:
+                 mask: int = 0x10) -> None:
         self.src, self.dst, self.offset, self.mask = src, dst, int(offset), int(mask)
-        self.part = None if part is None else int(part)
         self.fired = False
         self._lock = threading.Lock()
 
-    def buffer_received(self, message: Any, part: int, buffer: Any) -> None:
+    def message_received(self, message: Any, buffers: list[Any]) -> None:
         if self.src is not None and str(message.src) != self.src:
             return
         if self.dst is not None and str(message.dst) != self.dst:
-            return
-        if self.part is not None and part != self.part:
             return
         with self._lock:
             if self.fired:
                 return
             self.fired = True
-        buffer[self.offset] ^= self.mask
+        buffers[-1][self.offset] ^= self.mask
 
 
 class StepPacing(Hooks):
@@ -117,9 +112,9 @@ class Several(Hooks):
         for h in self.parts:
             h.after_round(generation, round_index)
 
-    def buffer_received(self, message: Any, part: int, buffer: Any) -> None:
+    def message_received(self, message: Any, buffers: list[Any]) -> None:
         for h in self.parts:
-            h.buffer_received(message, part, buffer)
+            h.message_received(message, buffers)
 
     def after_step(self, step: int, seconds: float) -> None:
         for h in self.parts:
@@ -129,7 +124,7 @@ class Several(Hooks):
 #: the keys :func:`hooks_from_json` accepts
 FAULT_KEYS = ("rebuild_delay", "migration_delay", "min_step_seconds", "corrupt", "hold")
 _HOLD_KEYS = ("step", "file", "timeout")
-_CORRUPT_KEYS = ("src", "dst", "offset", "mask", "part")
+_CORRUPT_KEYS = ("src", "dst", "offset", "mask")
 
 
 def hooks_from_json(spec: Mapping[str, Any] | None) -> Hooks:

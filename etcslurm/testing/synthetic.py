@@ -140,13 +140,12 @@ def executor_selftest(ctx: WorkerContext) -> dict[str, Any]:
     out["segments_stats"] = seg_stats.to_json()
     groups.teardown()
     # 2. a corrupted byte on device 1 is detected and named: in the packed buffer (default
-    #    layout), and in a segment (the message's second: u0, not its first piece)
-    for name, direct_min, part in (("corrupt_error", None, None),
-                                   ("corrupt_segment_error", 8, 2)):
+    #    layout), and in a segment (the last one of the message: u0)
+    for name, direct_min in (("corrupt_error", None), ("corrupt_segment_error", 8)):
         groups.configure(ctx.store, gen, me, n, "gloo", timeout=30)
         gen += 1
         held, needed = _holdings(me, n)
-        hooks = CorruptOnce(src="0", dst="1", offset=3, mask=0x10, part=part)
+        hooks = CorruptOnce(src="0", dst="1", offset=3, mask=0x10)
         extra = {} if direct_min is None else {"direct_min": direct_min}
         try:
             execute(messages, local[dev], dev, ranks, held, needed, timeout=30,
@@ -190,20 +189,6 @@ def executor_selftest(ctx: WorkerContext) -> dict[str, Any]:
         out.setdefault("exchange_arena_used", []).append(bool(arena.any()))
         groups.close_exchange_group(xg, now=True)  # measured at once: not retired
         out.setdefault("exchange_usage", []).append(groups.resource_usage())
-    # 5. on an exchange group (parts posted one by one, each summed as it lands), segments
-    #    cut into 16-byte parts (t staged, u in place): exact; and a byte flipped in part 14
-    #    of 0 -> 1 (u0's second part) is named with the piece and the bytes of it
-    for name, hooks in (("parts_exact", None),
-                        ("corrupt_part_error", CorruptOnce(src="0", dst="1", part=14))):
-        xg = groups.exchange_group(ctx.store, f"selftest-{name}", me, n, "gloo", timeout=30)
-        held, needed = _holdings(me, n, strided=True)
-        try:
-            execute(messages, local[dev], dev, ranks, held, needed, timeout=30, group=xg,
-                    direct_min=8, part_bytes=16, hooks=hooks)
-            out[name] = _check(needed) if hooks is None else None
-        except EtcslurmError as exc:
-            out[name] = f"{type(exc).__name__}: {exc}"
-        groups.close_exchange_group(xg, now=True)
     return out
 
 

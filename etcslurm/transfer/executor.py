@@ -46,15 +46,6 @@ _CHECKSUM_BYTES = 8
 #: slices of at least this many bytes (and a multiple of 8) travel as segments of their
 #: own instead of being packed; every end of the same migration must use the same value
 DIRECT_MIN_BYTES = 1 << 20
-#: on the CPU (gloo) a segment travels in parts of at most this many bytes (a multiple of
-#: 8), each with its own checksum word: the sender sums a part just before posting it and
-#: the receiver as soon as it has landed, so each sum reads bytes still in the cache
-#: (one core here: ~60 GB/s from the L3 cache, ~15 GB/s from memory); every end agrees,
-#: as they all hold their state on the same kind of device (:func:`part_bytes_on`)
-PART_BYTES = 4 << 20
-#: a segment in one part: on a GPU the sums are kernels queued beside the transfer, and
-#: more parts would only be more NCCL calls
-WHOLE = 1 << 62
 
 
 class MessageLike(Protocol):
@@ -133,23 +124,20 @@ class ViewIndex:
 
 @dataclass(frozen=True)
 class _Layout:
-    """How one message travels (same on both ends): the ``direct`` slices, each a segment
-    of its own, cut into ``parts`` of at most :data:`PART_BYTES`; then the packed buffer
-    -- the ``packed`` slices at ``offsets``, then one checksum word for them and one per
-    part."""
+    """How one message travels (same on both ends): the packed buffer -- the ``packed``
+    slices at ``offsets``, then one checksum word for them and one per segment -- followed
+    by the ``direct`` slices, each a segment of its own."""
 
     packed: tuple[int, ...]  # indices into the message's slices
     offsets: tuple[int, ...]  # byte offset of each packed slice in the buffer
     direct: tuple[int, ...]  # indices of the slices sent as segments of their own
     direct_bytes: tuple[int, ...]
     payload: int  # packed bytes before the checksum words, a multiple of 8
-    #: (segment number from 0, first byte, end byte) of each part, in wire order
-    parts: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def size(self) -> int:
         """Bytes of the packed buffer (payload and checksum words)."""
-        return self.payload + _CHECKSUM_BYTES * (1 + len(self.parts))
+        return self.payload + _CHECKSUM_BYTES * (1 + len(self.direct))
 
     @property
     def staging(self) -> int:
@@ -162,31 +150,19 @@ class _Layout:
         return self.payload + sum(self.direct_bytes)
 
 
-def part_bytes_on(device: torch.device) -> int:
-    """The part size for state on ``device``: :data:`PART_BYTES` on the CPU, else whole
-    segments (:data:`WHOLE`)."""
-    return PART_BYTES if device.type == "cpu" else WHOLE
-
-
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def message_layout(slices: Sequence[Piece], direct_min: int = DIRECT_MIN_BYTES,
-                   part_bytes: int | None = None) -> _Layout:
+def message_layout(slices: Sequence[Piece], direct_min: int = DIRECT_MIN_BYTES) -> _Layout:
     """The layout of a message: slices of at least ``direct_min`` bytes (a multiple of 8)
-    are segments of their own, cut into parts of at most ``part_bytes`` (default
-    :data:`PART_BYTES`); the others are packed in order, each aligned to its element
-    size, the payload padded to 8 bytes, then the checksum words."""
-    part_bytes = PART_BYTES if part_bytes is None else part_bytes
+    are segments of their own; the others are packed in order, each aligned to its
+    element size, the payload padded to 8 bytes, then the checksum words."""
     packed, offsets, direct, direct_bytes = [], [], [], []
-    parts: list[tuple[int, int, int]] = []
     pos = 0
     for index, piece in enumerate(slices):
         nbytes = piece.nbytes
         if nbytes >= direct_min and nbytes % 8 == 0:
-            parts.extend((len(direct), lo, min(lo + part_bytes, nbytes))
-                         for lo in range(0, nbytes, part_bytes))
             direct.append(index)
             direct_bytes.append(nbytes)
             continue
@@ -196,13 +172,12 @@ def message_layout(slices: Sequence[Piece], direct_min: int = DIRECT_MIN_BYTES,
         offsets.append(pos)
         pos += nbytes
     return _Layout(tuple(packed), tuple(offsets), tuple(direct), tuple(direct_bytes),
-                   -(-pos // 8) * 8, tuple(parts))
+                   -(-pos // 8) * 8)
 
 
 def staging_bytes_per_round(messages: Iterable[MessageLike], device: str,
                             direct_min: int = DIRECT_MIN_BYTES,
-                            views: tuple[ViewIndex, ViewIndex] | None = None,
-                            part_bytes: int | None = None) -> dict[int, int]:
+                            views: tuple[ViewIndex, ViewIndex] | None = None) -> dict[int, int]:
     """Staging bytes ``device`` needs in each round: its messages' packed buffers, plus
     room for the segments it must stage.  Without ``views`` (held, needed) every segment
     counts (the most a plan can need: what the planner's cap guarantees); with them only
@@ -211,7 +186,7 @@ def staging_bytes_per_round(messages: Iterable[MessageLike], device: str,
     for msg in messages:
         if device not in (msg.src, msg.dst) or msg.src == msg.dst:
             continue
-        layout = message_layout(msg.slices, direct_min, part_bytes)
+        layout = message_layout(msg.slices, direct_min)
         if views is None:
             out[msg.round] += layout.staging
             continue
@@ -241,9 +216,9 @@ def staging_arena(messages: Iterable[MessageLike], device: str, reuse: torch.Ten
     if held is not None or needed is not None:
         views = (ViewIndex(held or [], f"held ({device})"),
                  ViewIndex(needed or [], f"needed ({device})"))
-    on = torch.device(on) if on is not None else state_device()
-    per_round = staging_bytes_per_round(messages, device, direct_min, views, part_bytes_on(on))
+    per_round = staging_bytes_per_round(messages, device, direct_min, views)
     need = max(per_round.values(), default=0)
+    on = torch.device(on) if on is not None else state_device()
     if reuse is not None and reuse.numel() >= need and reuse.device == on:
         return reuse
     return torch.zeros(need, dtype=torch.uint8, device=on)
@@ -282,7 +257,6 @@ def execute(
     arena: torch.Tensor | None = None,
     direct_min: int = DIRECT_MIN_BYTES,
     hooks: Hooks | None = None,
-    part_bytes: int | None = None,
 ) -> TransferStats:
     """Run every message and local copy of ``device`` in the plan.
 
@@ -296,11 +270,9 @@ def execute(
     ``arena``: a uint8 buffer the caller keeps between migrations (memory already
     resident: receiving into fresh pages costs 2.4-2.7x, docs/migration.md); used when it
     is large enough, else a new one is allocated.
-    ``direct_min``: see :data:`DIRECT_MIN_BYTES` (all ends must agree; tests lower it);
-    ``part_bytes``: see :data:`PART_BYTES` (None: :func:`part_bytes_on` the state's device).
-    ``hooks``: :meth:`Hooks.buffer_received` gets each part of a received message as it
-    lands, before it is summed (part 0: the packed buffer, which lands last; k: the
-    message's part k, segments cut into :func:`part_bytes_on` the state's device).
+    ``direct_min``: see :data:`DIRECT_MIN_BYTES` (all ends must agree; tests lower it).
+    ``hooks``: :meth:`Hooks.message_received` gets each received message before it is
+    verified, with its buffers as landed (the packed buffer, then each segment's bytes).
     """
     start = time.perf_counter()
     stats = TransferStats(device=device)
@@ -312,10 +284,7 @@ def execute(
         by_round[msg.round].append(msg)
     all_rounds = sorted({m.round for m in messages}) or [0]
     stats.rounds = len(all_rounds)
-    dev = _device_of(needed_ix, held_ix)
-    part_bytes = part_bytes_on(dev) if part_bytes is None else part_bytes
-    per_round = staging_bytes_per_round(mine, device, direct_min, (held_ix, needed_ix),
-                                        part_bytes)
+    per_round = staging_bytes_per_round(mine, device, direct_min, (held_ix, needed_ix))
     arena_bytes = max(per_round.values(), default=0)
     if staging_cap is not None and arena_bytes > staging_cap:
         worst = max(per_round, key=per_round.__getitem__)
@@ -323,6 +292,7 @@ def execute(
             f"{device}: round {worst} needs {arena_bytes} staging bytes, over the cap of "
             f"{staging_cap} (the plan's rounds do not respect the cap)"
         )
+    dev = _device_of(needed_ix, held_ix)
     if arena is None or arena.numel() < arena_bytes or arena.device != dev:
         arena = torch.empty(arena_bytes, dtype=torch.uint8, device=dev)
     stats.peak_staging_bytes = arena_bytes
@@ -330,86 +300,65 @@ def execute(
 
     for index, rnd in enumerate(all_rounds):
         t_round = time.perf_counter()
-        batch: list[tuple[bool, torch.Tensor, int]] = []  # (send?, buffer, peer rank)
-        posted: list[_Posted] = []  # in post order
+        ops: list[tuple[bool, torch.Tensor, int]] = []  # (send?, buffer, peer rank)
+        recvs: list[_Incoming] = []
         sent = received = 0
         pos = 0  # arena bytes used so far in this round
-        # deterministic order: by (src, dst), then each message's parts in wire order
-        # (segments, then the packed buffer), so both ends of every pair post the same
-        # sequence
+        # deterministic order: by (src, dst), then the segments in layout order, so both
+        # ends of every pair post the same sequence
         for msg in sorted(by_round.get(rnd, []), key=lambda m: (m.src, m.dst)):
-            layout = message_layout(msg.slices, direct_min, part_bytes)
+            layout = message_layout(msg.slices, direct_min)
             send = msg.src == device
             buf, segments, staged, pos = _place(msg, layout, arena, pos,
                                                 held_ix if send else needed_ix)
             stats.segments_staged += sum(staged)
             stats.segments_in_place += len(staged) - sum(staged)
-            parcel = _Parcel(msg, layout, buf, segments, staged)
-            peer = _rank(ranks, msg.dst if send else msg.src)
             if send:
                 t0 = time.perf_counter()
-                parcel.pack(held_ix)
+                for i, off in zip(layout.packed, layout.offsets, strict=True):
+                    _typed(buf, off, msg.slices[i]).copy_(held_ix.view(msg.slices[i]))
+                for i, seg, was_staged in zip(layout.direct, segments, staged, strict=True):
+                    if was_staged:
+                        _typed(seg, 0, msg.slices[i]).copy_(held_ix.view(msg.slices[i]))
                 stats.pack_seconds += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                words = buf[layout.payload :].view(torch.int64)
+                words[0] = checksum(buf[: layout.payload])
+                for k, seg in enumerate(segments, start=1):
+                    words[k] = checksum(seg)
+                stats.checksum_seconds += time.perf_counter() - t0
+                peer = _rank(ranks, msg.dst)
+                ops.extend((True, t, peer) for t in [buf, *segments])
                 sent += layout.wire_bytes
                 stats.messages_sent += 1
             else:
+                peer = _rank(ranks, msg.src)
+                ops.extend((False, t, peer) for t in [buf, *segments])
+                recvs.append(_Incoming(msg, layout, buf, segments, staged))
                 received += layout.wire_bytes
                 stats.messages_received += 1
-            for part, tensor in parcel.wire():
-                if send:  # each part's checksum word right before the part is posted
-                    t0 = time.perf_counter()
-                    parcel.sign(part)
-                    stats.checksum_seconds += time.perf_counter() - t0
-                incoming = None if send else parcel
-                if _one_by_one(group):  # on the wire while the next part is summed
-                    t0 = time.perf_counter()
-                    work = _post([(send, tensor, peer)], group)[0]
-                    stats.comm_seconds += time.perf_counter() - t0
-                    posted.append(_Posted(work, incoming, part))
-                else:
-                    batch.append((send, tensor, peer))
-                    posted.append(_Posted(None, incoming, part))
-        if batch:
-            t0 = time.perf_counter()
-            works = iter(_post(batch, group))
-            posted = [_Posted(next(works), p.incoming, p.part) for p in posted]
-            stats.comm_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        works = _post(ops, group) if ops else []
+        stats.comm_seconds += time.perf_counter() - t0
         if index == 0:  # local copies overlap with the first round's transfer
             t0 = time.perf_counter()
             for piece in local:
                 needed_ix.view(piece).copy_(held_ix.view(piece))
                 stats.bytes_local += piece.nbytes
             stats.local_seconds += time.perf_counter() - t0
-        # in post order: each received part is summed as soon as it has landed (while
-        # the next one is on the wire); a message is verified and unpacked once its
-        # packed buffer -- its last part, which carries the checksum words -- is in.  A
-        # mismatch is raised once the round's transfers are done (its peers' sends and
-        # receives with this device complete first, as they would without it)
-        bad: MigrationError | None = None
-        for item in posted:
-            t0 = time.perf_counter()
-            _wait(item.work, wait_for, timeout, device, rnd, by_round.get(rnd, []))
-            stats.comm_seconds += time.perf_counter() - t0
-            parcel_in = item.incoming
-            if parcel_in is None:
-                continue
+        t0 = time.perf_counter()
+        for work in works:
+            _wait(work, wait_for, timeout, device, rnd, by_round.get(rnd, []))
+        stats.comm_seconds += time.perf_counter() - t0
+        for incoming in recvs:
             if hooks is not None:
-                hooks.buffer_received(parcel_in.msg, item.part, parcel_in.part(item.part))
+                hooks.message_received(incoming.msg, [incoming.buf, *incoming.segments])
             t0 = time.perf_counter()
-            parcel_in.landed(item.part)
+            incoming.verify()
             stats.checksum_seconds += time.perf_counter() - t0
-            if item.part != 0:
-                continue
-            try:
-                parcel_in.verify()
-            except MigrationError as exc:
-                bad = bad or exc
-                continue
             t0 = time.perf_counter()
-            parcel_in.unpack(needed_ix)
+            incoming.unpack(needed_ix)
             stats.unpack_seconds += time.perf_counter() - t0
-        if bad is not None:
-            raise bad
         stats.bytes_sent += sent
         stats.bytes_received += received
         info = {
@@ -450,89 +399,31 @@ def _place(msg: MessageLike, layout: _Layout, arena: torch.Tensor, pos: int, vie
 
 
 @dataclass
-class _Posted:
-    """One posted part of a round: its work (None until a batch is posted), the parcel
-    when this end receives it, and which part it is (0: the packed buffer, k: segment k)."""
-
-    work: Any
-    incoming: _Parcel | None
-    part: int
-
-
-@dataclass
-class _Parcel:
-    """One message on this end: its packed buffer and each segment's memory (the view
-    itself, or a staging region when ``staged``).  On the wire the segments' parts go
-    first, in layout order, then the packed buffer: the buffer carries the checksum
-    words, so the sender posts each part as soon as its word is computed, and the
-    receiver sums each part as soon as it has landed (while the next is in flight)."""
+class _Incoming:
+    """A message being received: its packed buffer and where each segment lands (the
+    new view itself, or a staging region when ``staged``)."""
 
     msg: MessageLike
     layout: _Layout
     buf: torch.Tensor
     segments: list[torch.Tensor]
     staged: list[bool]
-    #: received: the checksum of each part as it landed (0: packed payload, k: part k)
-    got: dict[int, int] = field(default_factory=dict)
-
-    def wire(self) -> list[tuple[int, torch.Tensor]]:
-        """(part, bytes) in the order they travel: parts 1.. (the segments'), then 0."""
-        return [*((k, self.part(k)) for k in range(1, len(self.layout.parts) + 1)),
-                (0, self.buf)]
-
-    def part(self, k: int) -> torch.Tensor:
-        if k == 0:
-            return self.buf
-        seg, lo, hi = self.layout.parts[k - 1]
-        return self.segments[seg][lo:hi]
-
-    def _data(self, k: int) -> torch.Tensor:
-        return self.buf[: self.layout.payload] if k == 0 else self.part(k)
-
-    def _words(self) -> torch.Tensor:
-        return self.buf[self.layout.payload :].view(torch.int64)
-
-    def pack(self, held_ix: ViewIndex) -> None:
-        """Copy the small slices into the packed buffer, staged segments into the arena."""
-        slices = self.msg.slices
-        for i, off in zip(self.layout.packed, self.layout.offsets, strict=True):
-            _typed(self.buf, off, slices[i]).copy_(held_ix.view(slices[i]))
-        for i, seg, was_staged in zip(self.layout.direct, self.segments, self.staged, strict=True):
-            if was_staged:
-                _typed(seg, 0, slices[i]).copy_(held_ix.view(slices[i]))
-
-    def sign(self, k: int) -> None:
-        """Sender: write part ``k``'s checksum word (the packed payload's is part 0)."""
-        self._words()[k] = checksum(self._data(k))
-
-    def landed(self, k: int) -> None:
-        """Receiver: part ``k`` has landed; sum it now, while later parts are in flight."""
-        self.got[k] = int(checksum(self._data(k)))
 
     def verify(self) -> None:
-        """Every part landed: compare each sum with the word the sender computed."""
-        words = self._words()
-        for k in range(len(self.layout.parts) + 1):
-            want, got = int(words[k]), self.got[k]
+        words = self.buf[self.layout.payload :].view(torch.int64)
+        parts = [(self.buf[: self.layout.payload], self.layout.packed[:1])]
+        parts += [(seg, (i,)) for seg, i in zip(self.segments, self.layout.direct, strict=True)]
+        for k, (data, which) in enumerate(parts):
+            want, got = int(words[k]), int(checksum(data))
             if want != got:
+                piece = self.msg.slices[which[0]] if which else None
+                name = f"{piece.key} {list(piece.box)}" if piece else "(empty)"
+                what = "packed part" if k == 0 else f"segment {k}"
                 raise MigrationError(
                     f"checksum mismatch in round {self.msg.round} message {self.msg.src} -> "
-                    f"{self.msg.dst} ({self._what(k)}): sent {want:#x}, received {got:#x}"
+                    f"{self.msg.dst} ({what}, {data.numel()} bytes, first piece {name}): "
+                    f"sent {want:#x}, received {got:#x}"
                 )
-
-    def _what(self, k: int) -> str:
-        """Part ``k`` in words: the packed part and its first piece, or the segment, the
-        bytes of it the part holds, and its piece."""
-        if k == 0:
-            first = self.layout.packed[:1]
-            piece = self.msg.slices[first[0]] if first else None
-            name = f"{piece.key} {list(piece.box)}" if piece else "(empty)"
-            return f"packed part, {self.layout.payload} bytes, first piece {name}"
-        seg, lo, hi = self.layout.parts[k - 1]
-        piece = self.msg.slices[self.layout.direct[seg]]
-        size = (f"{hi - lo} bytes" if (lo, hi) == (0, piece.nbytes)
-                else f"bytes {lo}-{hi} of {piece.nbytes}")
-        return f"segment {seg + 1}, {size}, first piece {piece.key} {list(piece.box)}"
 
     def unpack(self, needed_ix: ViewIndex) -> None:
         slices = self.msg.slices
@@ -577,7 +468,6 @@ def transport_only(
     group: dist.ProcessGroup | dist.Backend | None = None,
     timeout: float = 60.0,
     direct_min: int = DIRECT_MIN_BYTES,
-    part_bytes: int | None = None,
 ) -> float:
     """Post exactly the buffers and segments :func:`execute` would, from and into the same
     memory, round by round, with no packing, checksum, unpacking or local copies; returns
@@ -592,7 +482,6 @@ def transport_only(
     wait_for = timedelta(seconds=timeout)
     held_ix = ViewIndex(held, f"held ({device})")
     needed_ix = ViewIndex(needed, f"needed ({device})")
-    part_bytes = part_bytes_on(arena.device) if part_bytes is None else part_bytes
     mine = sorted((m for m in messages if device in (m.src, m.dst) and m.src != m.dst),
                   key=lambda m: (m.round, m.src, m.dst))
     for rnd in sorted({m.round for m in mine}):
@@ -600,11 +489,9 @@ def transport_only(
         for msg in (m for m in mine if m.round == rnd):
             send = msg.src == device
             peer = _rank(ranks, msg.dst if send else msg.src)
-            layout = message_layout(msg.slices, direct_min, part_bytes)
-            buf, segments, staged, pos = _place(msg, layout, arena, pos,
-                                                held_ix if send else needed_ix)
-            parcel = _Parcel(msg, layout, buf, segments, staged)
-            ops.extend((send, t, peer) for _, t in parcel.wire())
+            buf, segments, _, pos = _place(msg, message_layout(msg.slices, direct_min), arena,
+                                           pos, held_ix if send else needed_ix)
+            ops.extend((send, t, peer) for t in [buf, *segments])
         for work in _post(ops, group):
             _wait(work, wait_for, timeout, device, rnd, mine)
     if arena.is_cuda:
@@ -650,13 +537,6 @@ def _post(ops: Sequence[tuple[bool, torch.Tensor, int]],
         ])
     return [group.send([buf], peer, 0) if send else group.recv([buf], peer, 0)
             for send, buf, peer in ops]
-
-
-def _one_by_one(group: dist.ProcessGroup | dist.Backend | None) -> bool:
-    """Whether sends and receives are posted one at a time as they are ready (a bare
-    backend), rather than a round's all at once (``batch_isend_irecv``: the default world
-    or a registered group, which NCCL coalesces into one group call)."""
-    return not (group is None or isinstance(group, dist.ProcessGroup))
 
 
 def _rank(ranks: Mapping[str, int], device: str) -> int:
