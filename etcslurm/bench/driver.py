@@ -197,6 +197,8 @@ def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, An
         "optimizer": request.optimizer,
         "processes": len(results),
         "roles": {r["device"]: r.get("role") for r in results},
+        # devices whose model was kept (re-wrapped for the new groups, not built anew)
+        "kept": sorted(r["device"] for r in results if r.get("kept")),
         "assignment": {str(r["new_rank"]): r["device"] for r in new},
         "repeat": request.repeat,
         "p2p_seconds": p2p,

@@ -125,7 +125,7 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
     from etcslurm.core.gpt_state import rank_pieces
     from etcslurm.core.planner import gpt_inputs
     from etcslurm.core.planner import plan as core_plan
-    from etcslurm.megatron import parallel
+    from etcslurm.megatron import parallel, regroup
     from etcslurm.megatron.model import TrainHyper, build_gpt
     from etcslurm.megatron.scalars import extract_scalars
     from etcslurm.megatron.sharded_meta import local_state
@@ -220,6 +220,27 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
                                timeout_s=timeout)
         return build_gpt(spec, layout, optimizer, seed, hyper=hyper)
 
+    # as the runtime does (runtime.world.World.regroup): a DP-only change that moves none
+    # of this rank's parameters keeps its model -- re-wrapped for the new groups, its
+    # tensors checked, not copied onto a new model -- else the model is built anew
+    keep, before = None, None
+    if trainee is not None and new_rank is not None and regroup.can_keep(
+            (old, index), (new, new_rank), trainee.optimizer_kind):
+        keep, before = trainee, regroup.snapshot()
+
+    def keep_model(generation: int, layout: ParallelConfig, rank: int,
+                   kept: Any) -> tuple[Any, bool]:
+        progress("regroup")
+        assert before is not None
+        parallel.init_parallel(layout, rank, layout.world_size, ctx.store, generation,
+                               timeout_s=timeout)
+        try:
+            model = regroup.rewrap(kept, before, layout)
+        except regroup.RegroupError:
+            return build_gpt(spec, layout, optimizer, seed, hyper=hyper), False
+        groups.retire(before)
+        return model, True
+
     job = MigrationJob(
         generation=1, me=device, members=members, new_rank=new_rank, layout=new, held=held,
         scalars=scalars if new_rank is not None else None,
@@ -230,6 +251,7 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
                                  staging_bytes=int(c["plan_staging_bytes"]), tp=new.tp),
         old=(old, index) if index < n_old else None,
         expected=lambda layout, rank: rank_pieces(spec, layout, rank, optimizer),
+        keep=keep,
     )
 
     def before_exchange(m: Migration) -> None:
@@ -251,11 +273,12 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         job, store=ctx.store, form_and_build=form_and_build,
         staging_cap=int(c["staging_bytes"]), timeout=timeout, group_timeout=timeout,
         progress=lambda info: progress("p2p", **info), direct_min=direct_min,
-        clock=_SlowestClock(timeout),
+        clock=_SlowestClock(timeout), regroup=keep_model,
     )
     result = migration.run(repeat=repeat, before_exchange=before_exchange)
     p2p_model = result.trainee
     out["analytic_equals_live"] = _same_plan(result.plan, plan, device)
+    out["kept"] = result.kept
     # one-off, reported apart like the checkpoint writer's start-up: the arena's first
     # allocation and touch (with the holdings and coverage checks)
     out["arena_setup_seconds"] = result.phase("prepare")
