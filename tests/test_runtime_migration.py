@@ -39,7 +39,7 @@ def test_a_kept_piece_is_one_the_new_model_views_through_the_same_memory() -> No
     """Local copies of a kept model onto itself are dropped; anything else is kept."""
     import torch
 
-    from etcslurm.runtime.migration import _kept_pieces, _within
+    from etcslurm.runtime.migration import _boxes_by_tensor, _kept_pieces, _within
 
     base = torch.arange(16.0)
     a, b = Piece("a", ((0, 8),), "float32"), Piece("b", ((0, 8),), "float32")
@@ -47,8 +47,11 @@ def test_a_kept_piece_is_one_the_new_model_views_through_the_same_memory() -> No
     needed = [(a, base[:8]), (b, base[8:].clone())]  # b is new memory: still copied
     kept = _kept_pieces(held, needed)
     assert kept == [a]
-    assert _within(Piece("a", ((2, 4),), "float32"), kept)
-    assert not _within(Piece("b", ((2, 4),), "float32"), kept)
+    boxes = _boxes_by_tensor(kept)
+    assert _within(Piece("a", ((2, 4),), "float32"), boxes)
+    assert not _within(Piece("a", ((6, 10),), "float32"), boxes)  # sticks out
+    assert not _within(Piece("a", ((2, 4),), "bfloat16"), boxes)  # another tensor
+    assert not _within(Piece("b", ((2, 4),), "float32"), boxes)
 
 
 def test_a_model_built_anew_where_nothing_moves_is_filled_from_its_own_old_tensors() -> None:

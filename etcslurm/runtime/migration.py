@@ -270,7 +270,8 @@ class Migration:
         self.local = list(plan.local.get(job.me, [])) if job.new_rank is not None else []
         kept = _kept_pieces(job.held, self.needed) if job.keep is not None else []
         if kept:  # a kept model's own tensors: copying them onto themselves is a no-op
-            self.local = [p for p in self.local if not _within(p, kept)]
+            boxes = _boxes_by_tensor(kept)
+            self.local = [p for p in self.local if not _within(p, boxes)]
         if self.fill:
             from etcslurm.megatron.sharded_meta import LocalState, zero_fill
 
@@ -363,12 +364,21 @@ def _copy_own(held: list[tuple[Piece, torch.Tensor]],
     return copied
 
 
-def _within(piece: Piece, pieces: list[Piece]) -> bool:
-    """Whether ``piece`` lies inside one of ``pieces`` (same tensor, box contained)."""
+def _boxes_by_tensor(pieces: list[Piece]) -> dict[tuple[str, str], list[Piece]]:
+    """``pieces`` by (key, dtype): :func:`_within` then looks at one tensor's pieces, not
+    at all of them (a kept gpt-tiny: 156 local pieces × 156 kept ones were 0.03 s)."""
+    out: dict[tuple[str, str], list[Piece]] = {}
+    for p in pieces:
+        out.setdefault((p.key, p.dtype), []).append(p)
+    return out
+
+
+def _within(piece: Piece, boxes: dict[tuple[str, str], list[Piece]]) -> bool:
+    """Whether ``piece`` lies inside one of ``boxes``' pieces (same tensor, box contained)."""
     return any(
-        p.key == piece.key and p.dtype == piece.dtype and len(p.box) == len(piece.box)
+        len(p.box) == len(piece.box)
         and all(a0 <= b0 and b1 <= a1 for (a0, a1), (b0, b1) in zip(p.box, piece.box, strict=True))
-        for p in pieces)
+        for p in boxes.get((piece.key, piece.dtype), ()))
 
 
 def _local_state(trainee: Any) -> list[tuple[Piece, torch.Tensor]]:
