@@ -130,7 +130,11 @@ def decide(ctx: Context, state: State) -> State:
     else:  # everyone is leaving: the coordinator's view decides
         decider = ctx.boundary.decider(ctx.record)
     if decider == ctx.worker_id:
-        publish_next(ctx, reason="resize at step boundary")
+        publish_next(ctx, reason="resize at step boundary")  # reads the holdings too
+    else:
+        # read the old state's views (the migration needs them, parallel_state still
+        # exists) while the decider decides, not after: 0.02-0.03 s of every pause
+        ctx.holdings()
     record = ctx.coord.wait_generation(after=ctx.record.generation,
                                        timeout=ctx.options.decide_timeout)
     return State(Phase.FOLLOW, record=record)
