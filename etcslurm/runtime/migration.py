@@ -12,8 +12,11 @@ in order, on every participant (old members and joiners):
 2. ``group``: the exchange group over old members + joiners, outside the new world
    (megatron-core modules keep the groups they were built in, and the new world does not
    contain leavers).  Members arrive once their model is built, so its timeout includes
-   the longest build seen.
-3. ``plan``: every participant computes (replays) the same deterministic plan.
+   the longest build seen.  When the participants are exactly the new world
+   (``job.on_world``), a gloo world's own backend serves, with the same probe and bound.
+3. ``plan``: every participant computes (replays) the same deterministic plan: from the
+   analytic model for etcslurm's own GPT (:func:`analytic_plan`), else from live
+   descriptions exchanged on the group (:func:`live_plan`).
 4. ``prepare``: the live pieces must be what the plan assumed (old and new: the holdings
    check), the staging arena is sized, and a plan that would leave part of the new model
    unwritten is refused before anything moves.
