@@ -34,12 +34,37 @@ def test_vocab_rows_no_old_rank_held_are_filled_and_the_rest_is_lost() -> None:
                             "1": [lost_piece]}
 
 
+def test_the_analytic_plan_fills_new_vocab_rows_and_refuses_a_lost_piece() -> None:
+    """Planning from the analytic model: vocabulary rows no old layout had become this
+    participant's zero-fill; a piece nobody holds contradicts the decider (who found
+    nothing lost) and is refused, naming it; the totals reported are the decider's."""
+    from etcslurm.core.planner import PlanInputs
+    from etcslurm.errors import MigrationError
+    from etcslurm.runtime.migration import analytic_plan
+
+    held = [Piece(EMB, ((0, 1024), (0, 8)), "float32")]
+    grown = [Piece(EMB, ((0, 1152), (0, 8)), "float32")]
+    inputs = PlanInputs(old_classes=[held], old_device_class={"0": 0},
+                        new_classes=[grown], new_rank_class=[0], nodes={"0": "n0"})
+    migration = SimpleNamespace(job=SimpleNamespace(me="0", generation=3), fill=[])
+    got = analytic_plan(migration, inputs, assignment=["0"], old_vocab_rows=1024,  # type: ignore[arg-type]
+                        totals={"moved_bytes": 5, "local_bytes": 7})
+    assert migration.fill == [Piece(EMB, ((1024, 1152), (0, 8)), "float32")]
+    assert got.missing == {} and got.messages == []
+    assert (got.stats["moved_bytes"], got.stats["local_bytes"], got.stats["lost_pieces"]) == (5, 7, 0)
+    layer = Piece("decoder.layers.mlp.linear_fc2.weight", ((0, 1), (0, 8), (0, 8)), "float32")
+    lost = PlanInputs(old_classes=[held], old_device_class={"0": 0},
+                      new_classes=[[*held, layer]], new_rank_class=[0], nodes={"0": "n0"})
+    with pytest.raises(MigrationError, match=r"generation 3: 0 needs .*linear_fc2.*decider"):
+        analytic_plan(migration, lost, assignment=["0"], old_vocab_rows=1024)  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------------- a kept model
 def test_a_kept_piece_is_one_the_new_model_views_through_the_same_memory() -> None:
     """Local copies of a kept model onto itself are dropped; anything else is kept."""
     import torch
 
-    from etcslurm.runtime.migration import _kept_pieces, _within
+    from etcslurm.runtime.migration import _boxes_by_tensor, _kept_pieces, _within
 
     base = torch.arange(16.0)
     a, b = Piece("a", ((0, 8),), "float32"), Piece("b", ((0, 8),), "float32")
@@ -47,8 +72,11 @@ def test_a_kept_piece_is_one_the_new_model_views_through_the_same_memory() -> No
     needed = [(a, base[:8]), (b, base[8:].clone())]  # b is new memory: still copied
     kept = _kept_pieces(held, needed)
     assert kept == [a]
-    assert _within(Piece("a", ((2, 4),), "float32"), kept)
-    assert not _within(Piece("b", ((2, 4),), "float32"), kept)
+    boxes = _boxes_by_tensor(kept)
+    assert _within(Piece("a", ((2, 4),), "float32"), boxes)
+    assert not _within(Piece("a", ((6, 10),), "float32"), boxes)  # sticks out
+    assert not _within(Piece("a", ((2, 4),), "bfloat16"), boxes)  # another tensor
+    assert not _within(Piece("b", ((2, 4),), "float32"), boxes)
 
 
 def test_a_model_built_anew_where_nothing_moves_is_filled_from_its_own_old_tensors() -> None:

@@ -83,6 +83,7 @@ def test_a_leaver_hands_over_and_the_survivor_commits() -> None:
     assert survivor.trainee.iteration == 7  # the scalars travelled with the plan's record
     job = survivor.world.migrations[0]
     assert job.me == "0" and job.members == [gen1.planner_ids[w] for w in gen1.union]
+    assert not job.on_world  # the leaver takes part but is not in the new world
     assert "migration.done" in coord.event_types()
     leaver = _member_of(coord, gen0, "w4")
     final = drive(leaver, State(Phase.DECIDE), TRANSITIONS)
@@ -106,6 +107,53 @@ def test_a_peer_lost_mid_migration_falls_back_for_members_and_joiners() -> None:
     assert transitions.resize(joiner, State(Phase.RESIZE, record=gen1)) == State(
         Phase.WAIT, after=gen1.generation)
     assert any("failed in group" in f.get("message", "") for _, f in coord.events)
+
+
+def test_a_change_among_the_new_worlds_members_exchanges_on_the_world() -> None:
+    """Nobody leaves (a joiner comes in): the participants are the new world, listed in
+    new-rank order, so the migration may run the exchange on the world itself; the
+    joiner, with no old state, is told so too.  Each participant plans analytically when
+    the model is etcslurm's own (no descriptions to exchange)."""
+    coord, gen0 = _running(["w1", "w2", "w3"])
+    coord.workers["w4"] = member("joining", node="n1")
+    old = _member_of(coord, gen0, "w1")
+    transitions.publish_next(old, reason="test")
+    gen1 = coord.records[-1]
+    assert set(gen1.union) == set(gen1.workers_by_rank())
+    for ctx in (old, context("w4", coord, initial=3)):
+        transitions.resize(ctx, State(Phase.RESIZE, record=gen1))
+        job = ctx.world.migrations[-1]
+        assert job.on_world
+        assert job.members == [gen1.planner_ids[w] for w in gen1.workers_by_rank()]
+        assert job.members.index(job.me) == job.new_rank
+
+
+def test_the_analytic_plan_is_the_decider_s_own_part() -> None:
+    """For etcslurm's own model every participant replays the decider's analytic plan
+    for its own part, with the published assignment; the whole move's totals are the
+    decider's; vocabulary rows no old layout had are to be zero-filled, not lost."""
+    from types import SimpleNamespace
+
+    from etcslurm.core.planner import plan
+    from etcslurm.runtime.generation import plan_inputs
+
+    coord, gen0 = _running(["w1", "w2", "w3", "w4"])
+    coord.changes.append(ChangeRequest(to="tp2pp1dp2", drain=(), by="operator", ts=0.0))
+    ctx = _member_of(coord, gen0, "w2")
+    ctx.world.analytic = True  # etcslurm's own model
+    transitions.publish_next(ctx, reason="test")
+    gen1 = coord.records[-1]
+    assert gen1.to_layout == "tp2pp1dp2"
+    me = gen1.planner_ids["w2"]
+    migration = SimpleNamespace(job=SimpleNamespace(me=me, generation=1), fill=[])
+    got = transitions._analytic_plan(ctx, gen1, migration)
+    inputs = plan_inputs(transitions.layout_settings(ctx), gen1)
+    whole = plan(inputs, assignment=[gen1.planner_ids[w] for w in gen1.workers_by_rank()])
+    assert got.missing == {} and got.stats["lost_pieces"] == 0
+    assert got.stats["moved_bytes"] == gen1.plan_stats["moved_bytes"] == whole.stats["moved_bytes"]
+    assert [m for m in whole.messages if me in (m.src, m.dst)] == got.messages
+    assert whole.local.get(me, []) == got.local.get(me, [])
+    assert migration.fill == []  # gpt-tiny's padded vocabulary is the same under TP 1 and 2
 
 
 def test_recover_publishes_a_generation_without_the_dead_and_follows_it() -> None:

@@ -202,3 +202,51 @@ def test_arena_is_sized_for_the_segments_that_must_be_staged() -> None:
     worst = staging_bytes_per_round(msgs, "0", 64)
     # the packed buffer (no payload, two checksum words) takes one 64-byte line
     assert exact == {0: 64, 1: 64 + 128} and worst == {0: 64 + 128, 1: 64 + 128}
+
+
+_WORLD_EXCHANGE = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from etcslurm.errors import WaitTimeout
+from etcslurm.groups import lifecycle as groups
+rank, store_path, late, arrive = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4]
+store = dist.FileStore(store_path, 2)
+store.set(f"ready{rank}", "1")  # both past their imports: the short world timeout is fair
+store.wait(["ready0", "ready1"], timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                        timeout=timedelta(seconds=2))
+if rank == 1:
+    time.sleep(late)
+    if arrive == "never":
+        time.sleep(30)
+        sys.exit(0)
+t0 = time.perf_counter()
+try:
+    pg = groups.world_exchange(5, timeout=8.0)
+    print("ok", pg.rank(), pg.size(), flush=True)
+except WaitTimeout as exc:
+    print("timeout", round(time.perf_counter() - t0, 1), exc, flush=True)
+"""
+
+
+@pytest.mark.parametrize("arrive", ["late", "never"])
+def test_world_exchange_waits_for_late_members_bounded_and_named(tmp_path, arrive: str) -> None:
+    """The exchange on the new world's own backend (nobody leaves): members arrive once
+    their model is built, later than the world's own collective timeout (2 s here) --
+    the probe waits for them up to its own bound (8 s); one that never comes fails it
+    within that bound, with a message naming the exchange and the rank."""
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", _WORLD_EXCHANGE, str(r),
+                               str(tmp_path / "store"), "4", arrive],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]
+    out = [p.communicate(timeout=120)[0] for p in procs]
+    if arrive == "late":
+        assert "ok 0 2" in out[0] and "ok 1 2" in out[1], out
+    else:
+        line = next(ln for ln in out[0].splitlines() if ln.startswith("timeout"))
+        assert "exchange 5: rank 0 of 2 did not meet the new world's members within 8 s" in line
+        assert 7.0 <= float(line.split()[1]) < 20.0, line

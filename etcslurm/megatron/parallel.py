@@ -65,6 +65,15 @@ def init_world(
     return time.perf_counter() - t0
 
 
+#: what a build imports: the model and optimizer stack, and the layer specs -- whose
+#: import reaches ``fused_bias_dropout``'s ``torch.compile``, whose first call builds
+#: dynamo's rule map: 0.22 s of a joiner's build inside a DP grow's pause (12-02,
+#: profiled), while the old ranks waited for it in the optimizer's all-gather
+WARM_MODULES = ("megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs",
+                "megatron.core.optimizer", "megatron.core.optimizer_param_scheduler",
+                "megatron.core.distributed")
+
+
 def warm_up() -> None:
     """Import megatron-core's model and optimizer stack (what every build imports anyway)
     and freeze what is alive (:func:`groups.freeze_long_lived`), so the collections of
@@ -77,7 +86,7 @@ def warm_up() -> None:
     if groups.frozen():
         return
     cpu_shim.install_if_needed()
-    for module in ("megatron.core.models.gpt", "megatron.core.optimizer"):
+    for module in WARM_MODULES:
         importlib.import_module(module)
 
     groups.freeze_long_lived()

@@ -27,7 +27,7 @@ from etcslurm.runtime.generation import (
     next_generation,
 )
 from etcslurm.runtime.machine import Context, MigrationReport, Phase, State
-from etcslurm.runtime.migration import MigrationJob, PeerLost, live_plan
+from etcslurm.runtime.migration import MigrationJob, PeerLost, analytic_plan, live_plan
 
 log = logging.getLogger("etcslurm.runtime")
 
@@ -130,7 +130,11 @@ def decide(ctx: Context, state: State) -> State:
     else:  # everyone is leaving: the coordinator's view decides
         decider = ctx.boundary.decider(ctx.record)
     if decider == ctx.worker_id:
-        publish_next(ctx, reason="resize at step boundary")
+        publish_next(ctx, reason="resize at step boundary")  # reads the holdings too
+    else:
+        # read the old state's views (the migration needs them, parallel_state still
+        # exists) while the decider decides, not after: 0.02-0.03 s of every pause
+        ctx.holdings()
     record = ctx.coord.wait_generation(after=ctx.record.generation,
                                        timeout=ctx.options.decide_timeout)
     return State(Phase.FOLLOW, record=record)
@@ -191,11 +195,15 @@ def resize(ctx: Context, state: State) -> State:
     if old is not None and new_rank is not None and ctx.world.can_keep(
             ctx.trainee, old, (layout, new_rank)):
         keep = ctx.trainee
+    world = record.workers_by_rank()
+    # nobody leaves or stays idle: the exchange can run on the new world itself
+    on_world = set(world) == set(record.union)
+    planner = _analytic_plan if ctx.world.analytic else _live_plan
     job = MigrationJob(
-        generation=gen, me=me, members=[ids[w] for w in record.union], new_rank=new_rank,
-        layout=layout, held=held,
+        generation=gen, me=me, new_rank=new_rank, layout=layout, held=held,
+        members=[ids[w] for w in (world if on_world else record.union)], on_world=on_world,
         scalars=dict(record.scalars) if new_rank is not None else None,
-        plan=lambda m: _live_plan(ctx, record, m), old=old,
+        plan=lambda m: planner(ctx, record, m), old=old,
         expected=ctx.world.expected_pieces if ctx.world.analytic else None,
         keep=keep, nothing_moves=_nothing_moves(ctx, record),
     )
@@ -328,6 +336,21 @@ def _nothing_moves(ctx: Context, record: GenerationRecord) -> bool:
         return False
     stats = record.plan_stats or {}
     return stats.get("moved_bytes") == 0 and not stats.get("missing_bytes")
+
+
+def _analytic_plan(ctx: Context, record: GenerationRecord, migration: Any) -> MigrationPlan:
+    """The plan of ``record`` for etcslurm's own model: from the analytic inputs the
+    decider planned from, with its assignment (no descriptions exchanged; the holdings
+    check compares the live state with the same model)."""
+    from etcslurm.core.gpt_state import padded_vocab
+    from etcslurm.runtime.generation import plan_inputs
+
+    settings = layout_settings(ctx)
+    old_tp = ParallelConfig.parse(record.from_layout or record.to_layout).tp
+    return analytic_plan(
+        migration, plan_inputs(settings, record),
+        assignment=[record.planner_ids[w] for w in record.workers_by_rank()],
+        old_vocab_rows=padded_vocab(settings.spec, old_tp), totals=record.plan_stats)
 
 
 def _live_plan(ctx: Context, record: GenerationRecord, migration: Any) -> MigrationPlan:
