@@ -433,6 +433,32 @@ def test_assignment_by_blocks_is_as_good_as_one_solve(seed):
         assert used is None
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_blocks_whose_first_row_does_not_show_them(seed):
+    # gpt-70b's first and last stage under the distributed optimizer: blocks of unequal
+    # gains (a stage's slice is worth more than the other's), and the first row also
+    # gains from the other block (the embedding both stages hold): no gap of the first
+    # row separates the blocks, the largest threshold that leaves no rank alone does
+    from scipy.optimize import linear_sum_assignment
+
+    from etcslurm.core.planner import _assign, _blocks
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(100, 140))
+    w = rng.integers(0, 50, size=(2 * n, 2 * n)).astype(np.float64)
+    w[:n, :n] += 10_000
+    w[n:, n:] += 5_000
+    w[0, n:] += 2_000
+    dev = rng.permutation(np.arange(2 * n))
+    rank = rng.permutation(np.arange(2 * n))
+    blocks = _blocks(w, dev, rank)
+    assert blocks is not None and len(blocks) == 2
+    pairs = _assign(w, dev.tolist(), rank.tolist())
+    m = w[np.ix_(dev, rank)]
+    r, c = linear_sum_assignment(m, maximize=True)
+    assert sum(m[a, b] for a, b in pairs) == m[r, c].sum()
+
+
 def test_box_helpers_match_box_intersect():
     import random
 
