@@ -32,7 +32,7 @@ from typing import Any
 from etcslurm.errors import MigrationError, WaitTimeout
 from etcslurm.megatron.model import Trainee, fix_step_alias, patch_distopt_step_keyerror
 from etcslurm.megatron.scalars import extract_scalars, restore_scalars
-from etcslurm.parent_death import die_with_parent
+from etcslurm.parent_death import die_with_parent, forked_children_die_with_us
 
 DISTOPT_SHARDING = "fully_reshardable"
 
@@ -102,6 +102,7 @@ def _persistent_writer_loop(*args: Any, **kwargs: Any) -> None:
         torch.cuda.device_count = lambda: 1
     parent = os.getppid()
     die_with_parent(parent=parent)
+    forked_children_die_with_us()  # the workers megatron's writer forks for each save
 
     def _exit_with_parent() -> None:
         # megatron's writer blocks on its queue forever when the trainer dies (a crashed
