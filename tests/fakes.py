@@ -40,6 +40,7 @@ class FakeCoordinator:
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.changes: list[ChangeRequest] = []
         self.states: list[tuple[str, dict[str, Any]]] = []
+        self.held: dict[str, int] = {}  # hold(): worker -> failed generation
         self.gone: list[str] = []
         self.client = SimpleNamespace(sentinel=None)  # a single Redis: no hand-over
         self.last_beat_error: BaseException | None = None
@@ -120,6 +121,12 @@ class FakeCoordinator:
     def set_state(self, state: str, **info: Any) -> None:
         self.states.append((state, info))
 
+    def hold(self, generation: int) -> None:
+        self.held[self.me] = generation
+
+    def holding(self) -> dict[str, int]:
+        return dict(self.held)
+
     def mark_gone(self, worker: str, reason: str) -> None:
         self.gone.append(worker)
         self.workers.setdefault(worker, {})["state"] = "gone"
@@ -168,6 +175,10 @@ class FakeWorld:
     votes: list[bool] = field(default_factory=list)
     retired: list[Any] = field(default_factory=list)  # models replaced at a resize
     analytic: bool = False
+    notice: float = 0.5  # notice_seconds(): how long a member may take to see a failure
+
+    def notice_seconds(self) -> float:
+        return self.notice
 
     def form_and_build(self, generation: int, layout: ParallelConfig, rank: int) -> FakeTrainee:
         self.formed.append((generation, str(layout), rank))
@@ -235,7 +246,8 @@ def context(me: str, coord: FakeCoordinator, *, model: str = "gpt-tiny", initial
     settings = RunSettings(model=GPTSpec.parse(model), initial_workers=initial, gpus_per_node=2)
     opts = WorkerOptions(run_id="unit", redis_url="redis://unused", run_dir=tmp,
                          join_timeout=options.pop("join_timeout", 2.0),
-                         decide_timeout=1.0, dead_after=0.1, collective_timeout=0.1,
+                         decide_timeout=1.0, dead_after=options.pop("dead_after", 0.1),
+                         collective_timeout=options.pop("collective_timeout", 0.1),
                          **options)
     coord.me = me
     return Context(settings, opts, coord, FakeWorld(settings), Boundary(coord, opts), me)

@@ -142,6 +142,19 @@ def test_commit_only_moves_forward_and_stops_after_end_run(make):
     assert b.committed_generation() == -1
 
 
+def test_hold_says_who_stands_by_after_which_failure_and_ends_with_the_run(make, client):
+    a, b = make(), make()
+    wa, wb = a.register(heartbeat=False), b.register(heartbeat=False)
+    assert a.holding() == {}
+    a.hold(3)
+    b.hold(2)
+    b.hold(4)  # the latest failure it came back from
+    assert a.holding() == {wa: 3, wb: 4}
+    a.end_run()
+    b.hold(5)  # after the end nothing is re-created
+    assert client.redis.exists(a.keys.holding) == 0
+
+
 def test_waiters_block_on_news_and_read_the_record_once(own_redis_client, run_id):
     """A waiting worker costs O(1) (the head, a blocked XREAD), wakes at the publish or
     the commit, and reads the (O(N)) record once, not at every poll.  On a Redis of its

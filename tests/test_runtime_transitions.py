@@ -13,11 +13,12 @@ import inspect
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from etcslurm.coord.records import ChangeRequest, GenerationRecord
-from etcslurm.errors import StateLostError
+from etcslurm.errors import StateLostError, WaitTimeout
 from etcslurm.runtime import recovery, transitions
 from etcslurm.runtime.generation import end_generation
 from etcslurm.runtime.machine import Phase, State, drive
@@ -164,6 +165,94 @@ def test_recover_publishes_a_generation_without_the_dead_and_follows_it() -> Non
     assert nxt.phase is Phase.FOLLOW
     assert nxt.record.dead == ("w3",) and "w3" not in nxt.record.union
     assert coord.gone == ["w3"] and "error" in coord.event_types()
+
+
+class _Clock:
+    """``time`` for :mod:`etcslurm.runtime.recovery`: sleeping advances a virtual clock,
+    and ``at`` runs an action once the clock has passed a time (another worker acting)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.at: list[tuple[float, Any]] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        for when, action in [a for a in self.at if a[0] <= self.now]:
+            self.at.remove((when, action))
+            action()
+
+
+def _follower_of_a_slow_decider(monkeypatch: pytest.MonkeyPatch):
+    """w3 of four saw a change fail; w4 is dead; w1 (the first survivor, who publishes)
+    is alive but still inside the failed rendezvous, as gloo keeps it there for 5x the
+    group's timeout (50 s at 10 s, seen in CI)."""
+    coord, gen0 = _running(["w1", "w2", "w3", "w4"])
+    failed = replace(gen0, generation=1, kind="resize")
+    coord.publish_generation(failed)
+    coord.workers["w4"]["alive"] = False
+    ctx = _member_of(coord, gen0, "w3", dead_after=10.0, collective_timeout=10.0)
+    ctx.world.notice = 50.0
+    clock = _Clock()
+    monkeypatch.setattr(recovery, "time", clock)
+    state = State(Phase.RECOVER, error=RuntimeError("rendezvous failed"), failed=failed)
+    return coord, gen0, ctx, clock, state
+
+
+def test_recover_waits_for_a_decider_still_inside_a_failed_rendezvous(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    coord, gen0, ctx, clock, state = _follower_of_a_slow_decider(monkeypatch)
+    decided = replace(gen0, generation=2, kind="resize", union=("w1", "w2", "w3"),
+                      dead=("w4",))
+    clock.at.append((50.5, lambda: coord.publish_generation(decided)))
+    nxt = recovery.recover(ctx, state)
+    assert nxt == State(Phase.FOLLOW, record=decided)
+    assert clock.now >= 50.5 and coord.gone == []  # it waited; only the decider decides
+
+
+def test_recover_gives_up_on_a_decider_that_never_publishes_and_names_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    coord, _, ctx, clock, state = _follower_of_a_slow_decider(monkeypatch)
+    published = len(coord.records)
+    with pytest.raises(WaitTimeout, match=r"within 130 s \(w4 found dead, w1 was to publish it\)"):
+        recovery.recover(ctx, state)
+    # dead_after x 2 + collective timeout + twice the notice (the decider's own, then
+    # its wait for the others to come back)
+    assert 130 <= clock.now < 131
+    assert len(coord.records) == published and coord.gone == []  # a follower never decides
+    assert coord.held == {"w3": 1}  # it said it stands by on its old state
+
+
+def _decider_with_a_member_still_in_the_rendezvous(monkeypatch: pytest.MonkeyPatch):
+    """w1 (the publisher) saw generation 1 fail; w4 is dead; w2 is alive but still inside
+    the failed rendezvous (it has not said it holds its old state)."""
+    coord, gen0, ctx, clock, state = _follower_of_a_slow_decider(monkeypatch)
+    ctx = _member_of(coord, gen0, "w1", dead_after=10.0, collective_timeout=10.0)
+    ctx.world.notice = 50.0
+    coord.held["w3"] = 1
+    return coord, ctx, clock, state
+
+
+def test_the_publisher_waits_for_members_still_inside_the_failed_rendezvous(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    coord, ctx, clock, state = _decider_with_a_member_still_in_the_rendezvous(monkeypatch)
+    clock.at.append((40.0, lambda: coord.held.update(w2=1)))  # w2's rendezvous fails
+    nxt = recovery.recover(ctx, state)
+    assert nxt.phase is Phase.FOLLOW and nxt.record.generation == 2
+    assert 40.0 <= clock.now < 41 and coord.gone == ["w4"]
+    assert nxt.record.union == ("w1", "w2", "w3") and nxt.record.dead == ("w4",)
+
+
+def test_the_publisher_waits_for_stragglers_no_longer_than_a_rendezvous_can_take(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    coord, ctx, clock, state = _decider_with_a_member_still_in_the_rendezvous(monkeypatch)
+    nxt = recovery.recover(ctx, state)  # w2 never says it is back
+    assert nxt.phase is Phase.FOLLOW and "w2" in nxt.record.union
+    assert 60.0 <= clock.now < 61  # the collective timeout + the notice
 
 
 def test_follow_dispatches_and_refuses() -> None:

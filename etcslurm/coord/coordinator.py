@@ -382,6 +382,22 @@ class Coordinator:
         self.emit("worker.state", state=state, previous=old, rank=self.info.get("rank"),
                   leave_deadline=self.info.get("leave_deadline"))
 
+    def hold(self, generation: int) -> None:
+        """Say that this worker, after generation ``generation`` failed, is back on its old
+        state and outside every rendezvous.  The one that publishes the next generation
+        waits for every live member to say so: a member still inside the failed
+        rendezvous (gloo keeps it there for up to 5x the group's timeout) would miss the
+        next one, and that would fail too."""
+        wid = self._require_worker()
+        self.client.call("hold", lambda r: self._hset_live(
+            keys=[self.keys.holding, self.keys.ended], args=[wid, str(int(generation))]))
+
+    def holding(self) -> dict[str, int]:
+        """worker id -> the failed generation it last said it stands by after (:meth:`hold`)."""
+        raw = self.client.call(f"read {self.keys.holding}",
+                               lambda r: r.hgetall(self.keys.holding))
+        return {schema.text(k): int(v) for k, v in raw.items()}
+
     def leave(self, within: float, reason: str = "signal") -> None:
         """Announce that this worker leaves within ``within`` seconds; asks for a resize
         (a change request draining this worker)."""

@@ -56,6 +56,8 @@ class Keys:
         self.changes = p + "changes"  # list of JSON change requests (coord/records.py)
         self.stores = p + "stores"  # set of store generations used (for end_run)
         self.ended = p + "ended"  # tombstone (with TTL) written by end_run
+        # hash worker id -> the failed generation after which it stands by on its old state
+        self.holding = p + "holding"
 
     def hb(self, worker_id: str) -> str:
         return f"{self.prefix}hb:{worker_id}"
@@ -71,7 +73,7 @@ class Keys:
     def fixed(self) -> list[str]:
         """The keys whose names do not depend on workers or generations."""
         return [self.spec, self.workers, self.worker_seq, self.gen, self.gen_no, self.news,
-                self.committed, self.events, self.changes, self.stores]
+                self.committed, self.events, self.changes, self.stores, self.holding]
 
 
 def dumps(value: Any, what: str, max_bytes: int = MAX_VALUE_BYTES) -> bytes:

@@ -153,6 +153,7 @@ def configure(
         local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID")
         torch.cuda.set_device(int(local) if local else rank % torch.cuda.device_count())
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    t0 = time.monotonic()
     try:
         dist.init_process_group(
             backend=backend,
@@ -170,7 +171,8 @@ def configure(
         teardown()
         raise WaitTimeout(
             f"generation {generation}: rank {rank} of {world_size} could not form the "
-            f"{backend} group within {timeout:.0f} s: {exc}"
+            f"{backend} group (timeout {timeout:.0f} s, gave up after "
+            f"{time.monotonic() - t0:.0f} s): {exc}"
         ) from exc
     _CURRENT.update(generation=generation, rank=rank, world_size=world_size, backend=backend)
 
@@ -203,6 +205,7 @@ def exchange_group(
     prefix = dist.PrefixStore(f"exchange{generation}", store)
     wait = timedelta(seconds=timeout)
     pg: dist.Backend | None = None
+    t0 = time.monotonic()
     try:
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
@@ -217,7 +220,8 @@ def exchange_group(
         close_exchange_group(pg, now=True)  # a half-formed group must not keep its sockets
         raise WaitTimeout(
             f"exchange {generation}: rank {rank} of {size} could not form the {backend} "
-            f"exchange group within {timeout:.0f} s: {exc}"
+            f"exchange group (timeout {timeout:.0f} s, gave up after "
+            f"{time.monotonic() - t0:.0f} s): {exc}"
         ) from exc
     if int(probe.item()) != 1:
         raise MigrationError(f"exchange {generation}: probe all-reduce returned {probe.item()}")

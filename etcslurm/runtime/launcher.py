@@ -28,6 +28,7 @@ from etcslurm.coord.records import GenerationRecord
 from etcslurm.coord.server import BundledRedis
 from etcslurm.core.models import GPTSpec
 from etcslurm.errors import EtcslurmError, UsageError, WaitTimeout
+from etcslurm.groups.bounds import rendezvous_fails_within
 from etcslurm.parent_death import die_with_parent
 from etcslurm.runtime.config import RunSettings
 from etcslurm.runtime.schedule import ScheduledEvent, active_after, parse_schedule
@@ -308,8 +309,10 @@ def drive(run: LocalRun, events: tuple[ScheduledEvent, ...], timeout: float,
     pending = list(events)
     end = time.monotonic() + timeout
     # a worker that failed (not one the schedule killed): the others get the time a failure
-    # takes to show (they recover, or stop too); then the run is stopped, not waited out
-    grace = 2 * run.opts.dead_after + 2 * run.opts.collective_timeout + 30
+    # takes to show (they recover, or stop too: Context.recovery_window, whose model builds
+    # the launcher does not know); then the run is stopped, not waited out
+    ct = run.opts.collective_timeout
+    grace = 2 * run.opts.dead_after + 2 * ct + 2 * rendezvous_fails_within(ct) + 30
     failed_at: float | None = None
     while run.alive():
         now = time.monotonic()

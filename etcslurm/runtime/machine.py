@@ -128,6 +128,16 @@ class Context:
     def forget_holdings(self) -> None:
         self.held, self.held_scalars = None, None
 
+    def recovery_window(self) -> float:
+        """How long a survivor of a failure waits for the next generation.
+
+        The one that publishes it may first need to notice the failure itself and then
+        to wait for the others to come back from the failed rendezvous, each up to
+        ``world.notice_seconds()`` (5x a group's timeout); it also waits for the dead's
+        heartbeat to lapse (``dead_after``, twice for a beat in flight)."""
+        opts = self.options
+        return opts.dead_after * 2 + opts.collective_timeout + 2 * self.world.notice_seconds()
+
 
 Transition = Callable[[Context, State], State]
 

@@ -41,8 +41,15 @@ def recover(ctx: Context, state: State) -> State:
         coord.emit("error", worker=ctx.worker_id, message=f"collective failed: {str(exc)[:200]}")
     world = ctx.record.workers_by_rank()
     suspects = list(state.failed.union) if state.failed is not None else world
-    window = opts.dead_after * 2 + opts.collective_timeout
-    deadline = time.monotonic() + window
+    coord.hold(current)  # back on the old state, outside every rendezvous
+    # the first survivor of the old world publishes, once the others are back too (a
+    # member still inside the failed rendezvous would miss the next one), or once they
+    # had the time that takes (World.notice_seconds); the others wait for it
+    window = ctx.recovery_window()
+    start = time.monotonic()
+    deadline, stragglers_until = start + window, start + opts.collective_timeout + ctx.world.notice_seconds()
+    dead: list[str] = []
+    alive_world = world
     while time.monotonic() < deadline:
         # beat from here too: a heartbeat thread starved while the groups were torn
         # down must not let a live survivor look dead to the one deciding
@@ -56,13 +63,21 @@ def recover(ctx: Context, state: State) -> State:
                 or members.get(w, {}).get("state") == GONE]
         alive_world = [w for w in world if w not in dead]
         if dead and alive_world and alive_world[0] == ctx.worker_id:
-            for w in dead:
-                coord.mark_gone(w, "heartbeat lost")
-            publish_next(ctx, reason=f"recover: {', '.join(dead)} died",
-                         extra_dead=tuple(w for w in dead if w in world))
-            continue
+            holding = coord.holding()
+            away = [w for w in alive_world if holding.get(w, -1) < current]
+            if not away or time.monotonic() > stragglers_until:
+                if away:
+                    log.warning("publishing without waiting longer for %s to come back from "
+                                "generation %s", ", ".join(away), current)
+                for w in dead:
+                    coord.mark_gone(w, "heartbeat lost")
+                publish_next(ctx, reason=f"recover: {', '.join(dead)} died",
+                             extra_dead=tuple(w for w in dead if w in world))
+                continue
         time.sleep(0.2)
+    found = (f"{', '.join(dead)} found dead, {alive_world[0]} was to publish it"
+             if dead and alive_world else "no peer was found dead")
     raise WaitTimeout(
-        f"worker {ctx.worker_id}: a step failed ({str(exc)[:120]}) but no peer was found "
-        f"dead and no new generation came within {window:g} s"
+        f"worker {ctx.worker_id}: a step failed ({str(exc)[:120]}) and no new generation "
+        f"came within {window:g} s ({found})"
     )

@@ -267,9 +267,10 @@ def handed_over(ctx: Context, state: State) -> State:
     record = state.record
     assert record is not None
     coord, opts = ctx.coord, ctx.options
-    limit = opts.dead_after * 2 + opts.collective_timeout * 2 + 30
+    limit = ctx.recovery_window() + opts.collective_timeout + 30
     end = time.monotonic() + limit
     gen = record.generation
+    coord.hold(gen)  # should this change fail: its state is here, outside every rendezvous
     while True:
         left = end - time.monotonic()
         if left <= 0:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.state import Piece
 from etcslurm.groups import lifecycle as groups
+from etcslurm.groups.bounds import rendezvous_fails_within
 from etcslurm.hooks import NO_HOOKS, Hooks
 from etcslurm.runtime.config import Builder, RunSettings, WorkerOptions
 from etcslurm.runtime.migration import Migration, MigrationJob, MigrationResult
@@ -57,6 +58,18 @@ class World:
         #: the trainee this process built last (weakly: a leaver's model must be freed)
         #: and megatron's groups it was built in
         self._groups: tuple[weakref.ref[Any], Any] | None = None
+
+    @property
+    def group_timeout(self) -> float:
+        """An exchange group's timeout: its members arrive once their new model is built."""
+        return self.options.collective_timeout + 2 * self.build_seconds
+
+    def notice_seconds(self) -> float:
+        """The longest a member of a change may take to notice that the change failed: a
+        rendezvous that meets a hung peer fails only after several times its timeout
+        (:func:`~etcslurm.groups.bounds.rendezvous_fails_within`).  A survivor waiting
+        for another to act on a failure allows for it."""
+        return rendezvous_fails_within(self.group_timeout)
 
     # ------------------------------------------------------------------ worlds
     def _form(self, generation: int, layout: ParallelConfig, rank: int) -> None:
@@ -207,7 +220,7 @@ class World:
         migration = Migration(
             job, store=self.store, form_and_build=self.form_and_build, regroup=self.regroup,
             staging_cap=self.settings.staging_bytes, timeout=self.options.collective_timeout,
-            group_timeout=self.options.collective_timeout + 2 * self.build_seconds,
+            group_timeout=self.group_timeout,
             arena=self.arena, hooks=self.hooks, progress=progress,
         )
         try:
