@@ -253,6 +253,7 @@ def test_the_publisher_waits_for_stragglers_no_longer_than_a_rendezvous_can_take
     nxt = recovery.recover(ctx, state)  # w2 never says it is back
     assert nxt.phase is Phase.FOLLOW and "w2" in nxt.record.union
     assert 60.0 <= clock.now < 61  # the collective timeout + the notice
+    assert coord.gone == ["w4"]  # a straggler is planned in, not taken for dead
 
 
 def test_follow_dispatches_and_refuses() -> None:
