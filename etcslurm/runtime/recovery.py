@@ -47,7 +47,8 @@ def recover(ctx: Context, state: State) -> State:
     # had the time that takes (World.notice_seconds); the others wait for it
     window = ctx.recovery_window()
     start = time.monotonic()
-    deadline, stragglers_until = start + window, start + opts.collective_timeout + ctx.world.notice_seconds()
+    deadline = start + window
+    stragglers_until = start + opts.collective_timeout + ctx.world.notice_seconds()
     dead: list[str] = []
     alive_world = world
     while time.monotonic() < deadline:
