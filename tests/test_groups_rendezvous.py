@@ -88,6 +88,7 @@ except Exception as exc:
 print(json.dumps({"rank": rank, "elapsed": time.monotonic() - t0, "error": error}), flush=True)
 """
 
+
 def _stopped(pid: int) -> bool:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"

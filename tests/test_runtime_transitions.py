@@ -187,20 +187,25 @@ class _Clock:
             action()
 
 
-def _follower_of_a_slow_decider(monkeypatch: pytest.MonkeyPatch):
-    """w3 of four saw a change fail; w4 is dead; w1 (the first survivor, who publishes)
-    is alive but still inside the failed rendezvous, as gloo keeps it there for 5x the
-    group's timeout (50 s at 10 s, seen in CI)."""
+def _survivor_of_a_failed_change(monkeypatch: pytest.MonkeyPatch, me: str):
+    """``me`` of four saw generation 1 fail; w4 is dead.  w1 is the first survivor, who
+    publishes; gloo can keep a survivor inside the failed rendezvous for 5x the group's
+    timeout (50 s at 10 s, seen in CI)."""
     coord, gen0 = _running(["w1", "w2", "w3", "w4"])
     failed = replace(gen0, generation=1, kind="resize")
     coord.publish_generation(failed)
     coord.workers["w4"]["alive"] = False
-    ctx = _member_of(coord, gen0, "w3", dead_after=10.0, collective_timeout=10.0)
+    ctx = _member_of(coord, gen0, me, dead_after=10.0, collective_timeout=10.0)
     ctx.world.notice = 50.0
     clock = _Clock()
     monkeypatch.setattr(recovery, "time", clock)
     state = State(Phase.RECOVER, error=RuntimeError("rendezvous failed"), failed=failed)
     return coord, gen0, ctx, clock, state
+
+
+def _follower_of_a_slow_decider(monkeypatch: pytest.MonkeyPatch):
+    """w3, while w1 (the publisher) is still inside the failed rendezvous."""
+    return _survivor_of_a_failed_change(monkeypatch, "w3")
 
 
 def test_recover_waits_for_a_decider_still_inside_a_failed_rendezvous(
@@ -230,9 +235,7 @@ def test_recover_gives_up_on_a_decider_that_never_publishes_and_names_it(
 def _decider_with_a_member_still_in_the_rendezvous(monkeypatch: pytest.MonkeyPatch):
     """w1 (the publisher) saw generation 1 fail; w4 is dead; w2 is alive but still inside
     the failed rendezvous (it has not said it holds its old state)."""
-    coord, gen0, ctx, clock, state = _follower_of_a_slow_decider(monkeypatch)
-    ctx = _member_of(coord, gen0, "w1", dead_after=10.0, collective_timeout=10.0)
-    ctx.world.notice = 50.0
+    coord, _, ctx, clock, state = _survivor_of_a_failed_change(monkeypatch, "w1")
     coord.held["w3"] = 1
     return coord, ctx, clock, state
 

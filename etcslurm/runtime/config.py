@@ -105,6 +105,23 @@ class WorkerOptions:
     min_step_seconds: float = 0.0  # pace steps (demos): joiners get time to arrive
 
 
+def recovery_window(dead_after: float, collective_timeout: float, notice: float) -> float:
+    """How long a survivor of a failure waits for the next generation.
+
+    The one that publishes it may first need to notice the failure itself and then to
+    wait for the others to come back from the failed rendezvous, each up to ``notice``
+    (``World.notice_seconds``: 5x a group's timeout); it also waits for the dead's
+    heartbeat to lapse (``dead_after``, twice for a beat in flight)."""
+    return dead_after * 2 + collective_timeout + 2 * notice
+
+
+def settled_within(dead_after: float, collective_timeout: float, notice: float) -> float:
+    """How long a failed change takes to be planned again and entered: a leaver keeps its
+    state that long waiting for the commit, the launcher gives the other workers that
+    long after one failed."""
+    return recovery_window(dead_after, collective_timeout, notice) + collective_timeout + 30
+
+
 #: ``build(model, layout, settings)`` → the rank's model chunks, optimizer and scheduler
 #: (a :class:`etcslurm.megatron.model.Trainee`), for a world whose ``parallel_state`` is ready
 Builder = Callable[[GPTSpec, ParallelConfig, RunSettings], Any]

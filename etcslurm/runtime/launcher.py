@@ -30,7 +30,7 @@ from etcslurm.core.models import GPTSpec
 from etcslurm.errors import EtcslurmError, UsageError, WaitTimeout
 from etcslurm.groups.bounds import rendezvous_fails_within
 from etcslurm.parent_death import die_with_parent
-from etcslurm.runtime.config import RunSettings
+from etcslurm.runtime.config import RunSettings, settled_within
 from etcslurm.runtime.schedule import ScheduledEvent, active_after, parse_schedule
 
 #: |elastic − reference| loss tolerance: across a DP change the gradient sum runs in a
@@ -309,10 +309,11 @@ def drive(run: LocalRun, events: tuple[ScheduledEvent, ...], timeout: float,
     pending = list(events)
     end = time.monotonic() + timeout
     # a worker that failed (not one the schedule killed): the others get the time a failure
-    # takes to show (they recover, or stop too: Context.recovery_window, whose model builds
-    # the launcher does not know); then the run is stopped, not waited out
+    # takes to settle (they recover, or stop too; the launcher does not know their model
+    # builds, so the notice is the rendezvous bound at the collective timeout); then the
+    # run is stopped, not waited out
     ct = run.opts.collective_timeout
-    grace = 2 * run.opts.dead_after + 2 * ct + 2 * rendezvous_fails_within(ct) + 30
+    grace = settled_within(run.opts.dead_after, ct, rendezvous_fails_within(ct))
     failed_at: float | None = None
     while run.alive():
         now = time.monotonic()

@@ -33,7 +33,7 @@ from typing import Any
 
 from etcslurm.coord.records import GenerationRecord
 from etcslurm.hooks import NO_HOOKS, Hooks
-from etcslurm.runtime.config import RunSettings, WorkerOptions
+from etcslurm.runtime.config import RunSettings, WorkerOptions, recovery_window
 
 
 class Phase(enum.Enum):
@@ -129,14 +129,11 @@ class Context:
         self.held, self.held_scalars = None, None
 
     def recovery_window(self) -> float:
-        """How long a survivor of a failure waits for the next generation.
-
-        The one that publishes it may first need to notice the failure itself and then
-        to wait for the others to come back from the failed rendezvous, each up to
-        ``world.notice_seconds()`` (5x a group's timeout); it also waits for the dead's
-        heartbeat to lapse (``dead_after``, twice for a beat in flight)."""
+        """How long a survivor of a failure waits for the next generation
+        (:func:`~etcslurm.runtime.config.recovery_window`)."""
         opts = self.options
-        return opts.dead_after * 2 + opts.collective_timeout + 2 * self.world.notice_seconds()
+        return recovery_window(opts.dead_after, opts.collective_timeout,
+                               self.world.notice_seconds())
 
 
 Transition = Callable[[Context, State], State]

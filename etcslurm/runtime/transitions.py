@@ -19,6 +19,7 @@ from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.planner import MigrationPlan
 from etcslurm.errors import StateLostError, WaitTimeout
 from etcslurm.runtime import checkpointing
+from etcslurm.runtime.config import settled_within
 from etcslurm.runtime.generation import (
     LayoutSettings,
     check_request,
@@ -267,7 +268,8 @@ def handed_over(ctx: Context, state: State) -> State:
     record = state.record
     assert record is not None
     coord, opts = ctx.coord, ctx.options
-    limit = ctx.recovery_window() + opts.collective_timeout + 30
+    limit = settled_within(opts.dead_after, opts.collective_timeout,
+                           ctx.world.notice_seconds())
     end = time.monotonic() + limit
     gen = record.generation
     coord.hold(gen)  # should this change fail: its state is here, outside every rendezvous
