@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -50,20 +51,72 @@ _FILLED_LATER: contextvars.ContextVar[bool] = contextvars.ContextVar("filled_lat
 
 @contextlib.contextmanager
 def weights_filled_later() -> Iterator[None]:
-    """Inside: :func:`build_gpt` allocates the weights without initialising them
-    (megatron's ``perform_initialization=False``).
+    """Inside: :func:`build_gpt` allocates the weights without drawing their random values.
 
     For the model a migration builds and then overwrites: its random init is work thrown
     away inside every participant's pause (about half of a gpt-tiny build).  Safe because
     the migration refuses a plan that leaves any part of the new model unwritten
     (:func:`etcslurm.transfer.executor.check_fills`, and the own-copy path checks that it
     holds every piece); the bit-exact migration tests build their targets this way.
+
+    Only the values are skipped: megatron's initialisers also mark each weight as
+    tensor-parallel (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``),
+    and the gradient norm counts a weight that lacks the mark on TP rank 0 only.  So the
+    build keeps ``perform_initialization`` on, with init methods that draw nothing and the
+    affine initialisers reduced to setting those marks (:func:`_marks_only`).
     """
     token = _FILLED_LATER.set(True)
     try:
         yield
     finally:
         _FILLED_LATER.reset(token)
+
+
+def _draw_nothing(tensor: torch.Tensor) -> torch.Tensor:
+    """An init method that leaves ``tensor`` as allocated."""
+    return tensor
+
+
+@contextlib.contextmanager
+def _marks_only() -> Iterator[None]:
+    """megatron's affine-weight initialisers, while inside, only set the tensor-parallel
+    attributes they always set (same dim and stride as megatron passes), no values.
+
+    Why patch and not set the attributes afterwards: the stride (2 for a SwiGLU
+    ``linear_fc1``) and which weights are marked are megatron's decisions, made at the
+    call sites, and differ between its versions; every module that imported the
+    initialisers by name is patched, and restored on the way out.
+    """
+    from megatron.core.tensor_parallel import layers
+
+    mark = layers.set_tensor_model_parallel_attributes
+
+    def on_cpu(weight: torch.Tensor, output_size: int, input_size: int,
+               per_partition_size: int, partition_dim: int, init_method: Any,
+               stride: int = 1, return_master_weight: bool = False, *,
+               skip_set_tensor_parallel_attributes: bool = False, **_: Any) -> None:
+        if not skip_set_tensor_parallel_attributes:
+            mark(weight, True, partition_dim, stride)
+
+    def on_gpu(weight: torch.Tensor, init_method: Any, partition_dim: int, stride: int = 1,
+               is_expert: bool = False) -> None:
+        mark(weight, True, partition_dim, stride)
+
+    originals = {"_initialize_affine_weight_cpu": (layers._initialize_affine_weight_cpu, on_cpu),
+                 "_initialize_affine_weight_gpu": (layers._initialize_affine_weight_gpu, on_gpu)}
+    patched: list[tuple[Any, str, Any]] = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("megatron.core"):
+            continue
+        for attr, (original, stand_in) in originals.items():
+            if getattr(module, attr, None) is original:
+                setattr(module, attr, stand_in)
+                patched.append((module, attr, original))
+    try:
+        yield
+    finally:
+        for module, attr, original in patched:
+            setattr(module, attr, original)
 
 
 def padded_vocab(spec: GPTSpec, tp: int | None = None) -> int:
@@ -162,7 +215,7 @@ def transformer_config(spec: GPTSpec, config: ParallelConfig, dtype: torch.dtype
         tensor_model_parallel_size=config.tp,
         pipeline_model_parallel_size=config.pp,
         use_cpu_initialization=True,
-        perform_initialization=not _FILLED_LATER.get(),
+        perform_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         gated_linear_unit=spec.gated,
@@ -173,6 +226,7 @@ def transformer_config(spec: GPTSpec, config: ParallelConfig, dtype: torch.dtype
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         init_method_std=0.02,
+        **_init_methods(),
         # MoE with TP > 1: megatron requires it (moe_settings); dense models do without
         sequence_parallel=spec.moe and config.tp > 1,
         bias_dropout_fusion=False,
@@ -182,6 +236,15 @@ def transformer_config(spec: GPTSpec, config: ParallelConfig, dtype: torch.dtype
         apply_rope_fusion=False,
         **moe_settings(spec, config),
     )
+
+
+def _init_methods() -> dict[str, Any]:
+    """Init methods that draw nothing inside :func:`weights_filled_later`, else
+    megatron's defaults (from ``init_method_std``)."""
+    if not _FILLED_LATER.get():
+        return {}
+    return dict(init_method=_draw_nothing, output_layer_init_method=_draw_nothing,
+                embedding_init_method=_draw_nothing)
 
 
 def moe_layout_problem(spec: GPTSpec, config: ParallelConfig) -> str | None:
@@ -282,17 +345,18 @@ def build_gpt(
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     tcfg = transformer_config(spec, config, dtype)
-    gpt = GPTModel(
-        config=tcfg,
-        transformer_layer_spec=layer_spec(spec),
-        vocab_size=padded_vocab(spec, config.tp),
-        max_sequence_length=spec.seq,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type="rope" if spec.position == "rope" else "learned_absolute",
-        rotary_base=spec.rope_base,
-    )
+    with _marks_only() if _FILLED_LATER.get() else contextlib.nullcontext():
+        gpt = GPTModel(
+            config=tcfg,
+            transformer_layer_spec=layer_spec(spec),
+            vocab_size=padded_vocab(spec, config.tp),
+            max_sequence_length=spec.seq,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=spec.tied_embeddings,
+            position_embedding_type="rope" if spec.position == "rope" else "learned_absolute",
+            rotary_base=spec.rope_base,
+        )
     if dtype != torch.float32:
         # torch norms are created fp32 whatever params_dtype says; Megatron-LM casts the
         # whole module (Float16Module), so one DDP buffer holds every param
