@@ -92,30 +92,39 @@ def test_parallel_state_rebuild_does_not_leak(tmp_path) -> None:
 
 
 def test_a_model_built_to_be_filled_skips_the_random_init_and_only_inside() -> None:
-    """``weights_filled_later`` builds without megatron's init (the runtime's migration
-    targets); outside it the same seed gives the same weights again."""
+    """``weights_filled_later`` builds without drawing megatron's init (the runtime's
+    migration targets) but with every mark megatron's initialisers set (tensor-parallel
+    dim and stride: the gradient norm reads them); outside it the same seed gives the
+    same weights again, and megatron's initialisers are megatron's own."""
     code = (
         "import torch, torch.distributed as dist\n"
+        "from megatron.core.tensor_parallel import layers\n"
+        "from etcslurm.bench.signature import update_signature\n"
         "from etcslurm.core.layout import ParallelConfig\n"
         "from etcslurm.core.models import PRESETS\n"
         "from etcslurm.megatron import parallel\n"
-        "from etcslurm.megatron.model import build_gpt, transformer_config, "
-        "weights_filled_later\n"
+        "from etcslurm.megatron.model import build_gpt, weights_filled_later\n"
         "layout = ParallelConfig(1, 1, 1)\n"
         "parallel.init_parallel(layout, 0, 1, dist.HashStore(), 'filled')\n"
-        "spec = PRESETS['gpt-tiny']\n"
-        "def weights(t):\n"
-        "    return [p.detach().clone() for p in t.model[0].parameters()]\n"
-        "first = weights(build_gpt(spec, layout))\n"
-        "with weights_filled_later():\n"
-        "    assert not transformer_config(spec, layout, torch.float32).perform_initialization\n"
-        "    empty = weights(build_gpt(spec, layout))\n"
-        "assert transformer_config(spec, layout, torch.float32).perform_initialization\n"
-        "again = weights(build_gpt(spec, layout))\n"
-        "assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))\n"
-        "differ = sum(not torch.equal(a, b) for a, b in zip(first, empty, strict=True))\n"
-        "print('differ', differ, 'of', len(first))\n"
-        "assert differ > 0\n"
+        "init = layers._initialize_affine_weight_cpu\n"
+        "for name in ('gpt-tiny', 'llama-tiny', 'moe-tiny'):\n"
+        "    spec = PRESETS[name]\n"
+        "    def weights(t):\n"
+        "        return [p.detach().clone() for p in t.model[0].parameters()]\n"
+        "    built = build_gpt(spec, layout)\n"
+        "    first, marks = weights(built), update_signature(built)\n"
+        "    with weights_filled_later():\n"
+        "        empty = build_gpt(spec, layout)\n"
+        "    assert layers._initialize_affine_weight_cpu is init\n"
+        "    assert update_signature(empty) == marks, name\n"
+        "    assert sum(p.get('tensor_model_parallel', False)\n"
+        "               for p in marks['params'].values()) > 0, name\n"
+        "    again = weights(build_gpt(spec, layout))\n"
+        "    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))\n"
+        "    differ = sum(not torch.equal(a, b) for a, b in zip(first, weights(empty),\n"
+        "                                                      strict=True))\n"
+        "    print('differ', name, differ, 'of', len(first))\n"
+        "    assert differ > 0\n"
         "parallel.teardown()\n"
     )
     out = _python(code)

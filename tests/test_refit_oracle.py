@@ -4,32 +4,17 @@ Where refit applies (one world: the same world size, nobody leaves or joins) the
 reshards the exact pre-migration weights with ``megatron.core.resharding.refit.
 swap_model_weights`` over gloo into a NaN-filled target model of the new layout and checks
 the target's weights equal the P2P-migrated model's bit for bit (weights only: refit does
-not move optimizer state).  Elsewhere the report says why it did not run.
+not move optimizer state).  Elsewhere the report says why it did not run.  The multi-process cases run in
+``tests/test_migrate_gpt.py``'s launch (``test_refit_weights_equal_p2p``).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from etcslurm.bench.driver import MigrateRequest, run
 from etcslurm.bench.refit import out_of_scope, rank_enum
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
-
-
-def _run(**kw: object) -> dict:
-    req = MigrateRequest(repeat=1, steps_before=1, steps_after=1, timeout=120, staging_mb=1,
-                         measure_bandwidth=False, async_checkpoint=False, checkpoint=False,
-                         **kw)
-    return run(req)
-
-
-def _check(r: dict) -> None:
-    assert r["bit_exact"] is True and r["loss_match"] is True
-    assert r.get("refit_skipped") is None, r.get("refit_skipped")
-    assert r.get("mismatch_refit_vs_p2p") is None, r.get("mismatch_refit_vs_p2p")
-    assert r["refit_equals_p2p"] is True
-    assert r["refit_seconds"] > 0 and r["p2p_seconds"] > 0
 
 
 @pytest.mark.parametrize("layout", ["tp2pp2dp2", "tp1pp2dp4", "tp4pp1dp2", "tp2pp4dp1"])
@@ -59,22 +44,3 @@ def test_out_of_scope_cases_say_why() -> None:
     assert "one world" in out_of_scope(gpt, p("tp1pp2dp2"), p("tp1pp2dp2"), [1], 1)
     assert "tied" in out_of_scope(gpt, p("tp2pp1dp2"), p("tp1pp2dp2"), [], 0)
     assert "dump" in out_of_scope(gpt, p("tp2pp2dp1"), p("tp1pp2dp2"), [], 0, have_dump=False)
-
-
-@pytest.mark.slow
-def test_gpt_tp_and_dp_change_refit_equals_p2p() -> None:
-    _check(_run(model="gpt-tiny", source="tp2pp2dp1", target="tp1pp2dp2"))
-
-
-@pytest.mark.slow
-def test_llama_tp_and_pp_change_refit_equals_p2p() -> None:
-    """SwiGLU linear_fc1 (refit: partition_stride 2), GQA, untied output, RMSNorm."""
-    _check(_run(model="llama-tiny", source="tp2pp1dp2", target="tp1pp2dp2"))
-
-
-@pytest.mark.slow
-def test_moe_expert_parallel_change_refit_equals_p2p() -> None:
-    """EP 4 → 2 in one world: refit maps the experts to their new EP ranks by its grouped
-    names (``bench.refit.name_experts_as_grouped``); its expert weights equal P2P's."""
-    _check(_run(model="moe-tiny", source="tp1pp1dp4ep4", target="tp1pp1dp4ep2",
-                optimizer="distributed"))

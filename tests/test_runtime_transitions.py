@@ -137,6 +137,7 @@ def test_the_analytic_plan_is_the_decider_s_own_part() -> None:
 
     from etcslurm.core.planner import plan
     from etcslurm.runtime.generation import plan_inputs
+    from etcslurm.runtime.jobs import plan_analytically
 
     coord, gen0 = _running(["w1", "w2", "w3", "w4"])
     coord.changes.append(ChangeRequest(to="tp2pp1dp2", drain=(), by="operator", ts=0.0))
@@ -147,7 +148,7 @@ def test_the_analytic_plan_is_the_decider_s_own_part() -> None:
     assert gen1.to_layout == "tp2pp1dp2"
     me = gen1.planner_ids["w2"]
     migration = SimpleNamespace(job=SimpleNamespace(me=me, generation=1), fill=[])
-    got = transitions._analytic_plan(ctx, gen1, migration)
+    got = plan_analytically(transitions.layout_settings(ctx), gen1, migration)
     inputs = plan_inputs(transitions.layout_settings(ctx), gen1)
     whole = plan(inputs, assignment=[gen1.planner_ids[w] for w in gen1.workers_by_rank()])
     assert got.missing == {} and got.stats["lost_pieces"] == 0

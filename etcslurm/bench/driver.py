@@ -13,13 +13,12 @@ import shutil
 import statistics
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
-from etcslurm.core.planner import message_cap
 from etcslurm.errors import UsageError
 
 #: megatron adapter pads the vocabulary for TP up to 8; the bench pads the spec the same
@@ -64,6 +63,9 @@ class MigrateRequest:
     #: also time megatron-core's refit (weights only) and check it against P2P where it
     #: applies (same world size, nobody leaves or joins; bench/refit.py)
     refit: bool = True
+    #: plan from live descriptions exchanged between the participants, as the runtime
+    #: does for a model etcslurm did not build (else the analytic plan of its own GPT)
+    live_plan: bool = False
 
     def spec(self) -> GPTSpec:
         spec = GPTSpec.parse(self.model)
@@ -112,7 +114,8 @@ class MigrateRequest:
             )
         return spec, old, new
 
-    def worker_config(self, work_dir: Path, ckpt_dir: Path) -> dict[str, Any]:
+    def case_config(self, work_dir: Path, ckpt_dir: Path) -> dict[str, Any]:
+        """One case of a launch (:mod:`etcslurm.bench.migrate_worker`)."""
         spec, old, new = self.validate()
         staging = self.staging_mb << 20
         return {
@@ -122,70 +125,107 @@ class MigrateRequest:
             "leave": sorted(set(self.leave)),
             "join": self.join,
             "optimizer": self.optimizer,
-            "repeat": self.repeat,
             "seed": self.seed,
             "steps_before": self.steps_before,
             "steps_after": self.steps_after,
             "global_batch": self.global_batch or math.lcm(old.dp, new.dp),
-            # a device sends one and receives one message per round: half the cap each,
-            # less the layout's alignment and checksum words
+            # bounds a round's send + receive staging (the planner's message cap is half
+            # of it, less alignment and checksum words: core.planner.message_cap)
             "staging_bytes": staging,
-            "plan_staging_bytes": message_cap(staging),
             "direct_min_bytes": self.direct_min_bytes,
             "reference": self.reference,
             "verify_global": self.verify_global,
             "measure_bandwidth": self.measure_bandwidth,
             "checkpoint": self.checkpoint,
             "refit": self.refit,
-            "async_checkpoint": self.async_checkpoint,
+            "live_plan": self.live_plan,
             "timeout": self.timeout,
             "work_dir": str(work_dir),
             "ckpt_dir": str(ckpt_dir),
         }
 
+    @property
+    def processes(self) -> int:
+        return ParallelConfig.parse(self.source).world_size + self.join
+
 
 def run(request: MigrateRequest, poll: Callable[[Any], None] | None = None) -> dict[str, Any]:
-    """Launch the benchmark and return its summary (see :func:`summarise`)."""
+    """Launch the benchmark of one transition and return its summary (:func:`summarise`)."""
+    return run_many([request], poll=poll)[0]
+
+
+def run_many(requests: list[MigrateRequest],
+             poll: Callable[[Any], None] | None = None) -> list[dict[str, Any]]:
+    """Every request (each ``repeat`` times) in ONE launch of the same processes, one
+    after another: a matrix pays the processes' start-up and the checkpoint writer's
+    once.  Returns one summary per request, in order."""
     from etcslurm.bench.launch import launch
 
-    spec, old, _new = request.validate()
-    nprocs = old.world_size + request.join
+    if not requests:
+        return []
+    specs = [r.validate()[0] for r in requests]
+    first = requests[0]
+    nprocs = max(r.processes for r in requests)
     work = Path(tempfile.mkdtemp(prefix="etcslurm-bench-"))
-    ckpt = Path(request.ckpt_dir) / f"bench-{work.name}" if request.ckpt_dir else work / "ckpt"
+    ckpt = Path(first.ckpt_dir) / f"bench-{work.name}" if first.ckpt_dir else work / "ckpt"
+    owners: list[int] = []
+    cases = []
+    for i, request in enumerate(requests):
+        for _ in range(request.repeat):
+            name = f"case{len(cases)}"
+            cases.append(request.case_config(work / name, ckpt / name))
+            owners.append(i)
+    config = {"cases": cases, "async_checkpoint": all(r.async_checkpoint for r in requests),
+              "timeout": max(r.timeout for r in requests)}
+    budget = sum(r.timeout * 4 * r.repeat for r in requests) + 300
     try:
-        config = request.worker_config(work, ckpt)
         results = launch("etcslurm.bench.migrate_worker:migrate", nprocs, config,
-                         timeout=request.timeout * 4 + 300, poll=poll)
+                         timeout=budget, poll=poll)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        if request.ckpt_dir:
+        if first.ckpt_dir:
             shutil.rmtree(ckpt, ignore_errors=True)
-    return summarise(request, spec, results)
+    by_case = [[proc["cases"][n] for proc in results] for n in range(len(cases))]
+    return [summarise(request, spec, [by_case[n] for n, o in enumerate(owners) if o == i])
+            for i, (request, spec) in enumerate(zip(requests, specs, strict=True))]
 
 
 def _med(values: list[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
 
-def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The report: the issue's JSON fields plus the details behind them."""
+def summarise(request: MigrateRequest, spec: GPTSpec,
+              repeats: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """The report of one request: timings as medians over its repetitions, checks over
+    all of them (``repeats``: per repetition, every process's result)."""
+    runs = [[r for r in results if r.get("role") != "unused"] for results in repeats]
+    results = runs[-1]
     first = results[0]
     new = [r for r in results if r.get("role") == "new"]
+    every_new = [r for rs in runs for r in rs if r.get("role") == "new"]
     stats = first["plan_stats"]
-    exchange = _med(first["exchange_seconds"])
-    restore = max(r["restore_seconds"] for r in new)
-    plan_s = float(first.get("plan_seconds", stats.get("plan_seconds", 0.0)))
-    p2p = plan_s + exchange + restore
-    save = _med(first["checkpoint_save_seconds"])
-    load = _med(new[0]["checkpoint_load_seconds"])
+    plan_all = [rs[0]["plan_seconds"] for rs in runs]
+    exchange_all = [rs[0]["exchange_seconds"] for rs in runs]
+    restore_all = [max(r["restore_seconds"] for r in rs if r.get("role") == "new")
+                   for rs in runs]
+    p2p_all = [a + b + c for a, b, c in zip(plan_all, exchange_all, restore_all, strict=True)]
+    save_all = [rs[0].get("checkpoint_save_seconds", 0.0) for rs in runs]
+    load_all = [next(r for r in rs if r.get("role") == "new")["checkpoint_load_seconds"]
+                for rs in runs]
+    p2p, exchange = _med(p2p_all), _med(exchange_all)
+    save, load = _med(save_all), _med(load_all)
     ckpt = save + load
+    startup = [r["checkpoint_startup_seconds"] for rs in runs for r in rs
+               if r.get("checkpoint_startup_seconds") is not None]
     transfers = [r["transfer"] for r in results if r.get("transfer")]
     peak = max(t["peak_staging_bytes"] for t in transfers)
     max_recv = max(t["bytes_received"] for t in transfers)
-    loss_match = all(r["losses_p2p"] == r["losses_checkpoint"] for r in new)
-    bit_exact = all(
-        r["p2p_equals_checkpoint"] is not False and r.get("p2p_equals_pre_migration", True) for r in new
-    )
+    paths = sorted({r["plan_path"] for rs in runs for r in rs})
+    state_equal = all(r["p2p_equals_checkpoint"] and r.get("p2p_equals_pre_migration", True)
+                      for r in every_new)
+    signature_equal = all(not r["signature_differences"] for r in every_new)
+    after_equal = all(r["after_steps_equal"] and not r["signature_differences_after"]
+                      for r in every_new)
     out: dict[str, Any] = {
         "model": request.model,
         "dtype": spec.dtype,
@@ -197,21 +237,26 @@ def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, An
         "optimizer": request.optimizer,
         "processes": len(results),
         "roles": {r["device"]: r.get("role") for r in results},
+        # the runtime's path for this change: nothing_moves | analytic | live
+        "plan_path": paths[0] if len(paths) == 1 else paths,
+        "on_world": bool(first.get("on_world")),
         # devices whose model was kept (re-wrapped for the new groups, not built anew)
         "kept": sorted(r["device"] for r in results if r.get("kept")),
         "assignment": {str(r["new_rank"]): r["device"] for r in new},
-        "repeat": request.repeat,
+        "repeat": len(runs),
         "p2p_seconds": p2p,
-        "p2p_plan_seconds": plan_s,
+        "p2p_plan_seconds": _med(plan_all),
         "p2p_exchange_seconds": exchange,
-        "p2p_restore_seconds": restore,
-        "p2p_exchange_all": first["exchange_seconds"],
+        "p2p_restore_seconds": _med(restore_all),
+        "p2p_all": p2p_all,
+        "p2p_exchange_all": exchange_all,
         "checkpoint_seconds": ckpt,
         "checkpoint_save_seconds": save,
         "checkpoint_load_seconds": load,
-        "checkpoint_save_all": first["checkpoint_save_seconds"],
-        "checkpoint_load_all": new[0]["checkpoint_load_seconds"],
-        "checkpoint_startup_seconds": first["checkpoint_startup_seconds"],
+        "checkpoint_save_all": save_all,
+        "checkpoint_load_all": load_all,
+        # the writer's one-off start-up: paid by the first save of a launch
+        "checkpoint_startup_seconds": max(startup) if startup else None,
         # the staging arena's one-off allocation (a long-lived process keeps it)
         "arena_setup_seconds": first.get("arena_setup_seconds"),
         "speedup": ckpt / p2p if p2p > 0 else float("inf"),
@@ -225,11 +270,16 @@ def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, An
         "peak_staging_bytes": peak,
         "staging_cap_bytes": request.staging_mb << 20,
         "max_recv_bytes": max_recv,
-        "bit_exact": bit_exact,
-        # the plan from the live state (what ran) equals the analytic one (core.gpt_state)
-        "analytic_equals_live": all(r.get("analytic_equals_live", False) for r in results),
+        # right after the migration every tensor equals the checkpoint path's and the
+        # pre-migration state, and so does everything else that shapes the next update;
+        # after the steps, every tensor (gradients included) still equals
+        "bit_exact": state_equal and signature_equal and after_equal,
+        "state_equal": state_equal,
+        "signature_equal": signature_equal,
+        "after_steps_equal": after_equal,
+        "after_steps": _after_steps(every_new),
         "steps_after": request.steps_after,
-        "loss_match": loss_match,
+        "loss_match": all(r["losses_p2p"] == r["losses_checkpoint"] for r in every_new),
         "losses_p2p": new[0]["losses_p2p"],
         "losses_checkpoint": new[0]["losses_checkpoint"],
         "losses_before": first.get("losses_before", []),
@@ -242,7 +292,7 @@ def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, An
     }
     out["segments"] = {k: sum(t.get(f"segments_{k}", 0) for t in transfers)
                        for k in ("in_place", "staged")}
-    transport = first.get("transport_seconds")
+    transport = [rs[0]["transport_seconds"] for rs in runs if rs[0].get("transport_seconds")]
     if transport:
         floor = statistics.median(transport)
         out["transport_seconds"] = floor
@@ -279,14 +329,26 @@ def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, An
     if refit_bad:
         out["mismatch_refit_vs_p2p"] = refit_bad
     problems = [
-        f"{r['device']}: {r['mismatch_p2p_vs_checkpoint'] or r.get('mismatch_p2p_vs_pre_migration')}"
-        for r in new
-        if r.get("mismatch_p2p_vs_checkpoint") or r.get("mismatch_p2p_vs_pre_migration")
+        f"{r['device']}: {detail}" for r in every_new
+        for detail in (r.get("mismatch_p2p_vs_checkpoint"),
+                       r.get("mismatch_p2p_vs_pre_migration"),
+                       r.get("signature_differences"), r.get("signature_differences_after"))
+        if detail
     ]
     if problems:
         out["mismatches"] = problems
     return out
 
 
-def request_json(request: MigrateRequest) -> dict[str, Any]:
-    return asdict(request)
+def _after_steps(new: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per kind of tensor, over every new rank: P2P vs checkpoint after the steps."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in new:
+        for kind, row in r["after_steps"].items():
+            total = out.setdefault(kind, {})
+            for key, value in row.items():
+                if key == "max_abs_diff":
+                    total[key] = max(total.get(key, 0.0), value)
+                else:
+                    total[key] = total.get(key, 0) + value
+    return out

@@ -80,8 +80,14 @@ def launch(
                 failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
                     i = failed[0]
+                    # the others are often waiting for it, or it for one of them: each
+                    # stopped worker prints where it was (faulthandler on SIGTERM)
+                    running = [j for j, c in enumerate(codes) if c is None]
+                    _stop(procs)
+                    others = "".join(f"\n--- worker {j} was at:\n{_tail(errs[j], 1200)}"
+                                     for j in running)
                     raise MigrationError(
-                        f"worker {i} exited with {codes[i]}: {_tail(errs[i])}"
+                        f"worker {i} exited with {codes[i]}: {_tail(errs[i])}{others}"
                     )
                 if all(c == 0 for c in codes):
                     break

@@ -1,42 +1,36 @@
-"""One process of ``etcslurm bench migrate``: old layout → (P2P | checkpoint) → new layout.
+"""One process of ``etcslurm bench migrate``: for each case, old layout → (P2P |
+checkpoint) → new layout, in the same processes.
 
-Phases (generations on the launcher's long-lived store):
+A launch runs a list of cases (transitions, or repetitions of one) one after another,
+so a matrix of transitions pays the processes' start-up and the checkpoint writer's
+once.  Each case, on the launcher's long-lived store:
 
-0. **old world** (old devices only): build the GPT in the old layout, train a few steps,
-   record the pre-migration state (raw dump, for the independent bit-exact check) and
-   the replicated scalars (JSON), then save it with the checkpoint baseline -- a warm-up
-   save first (its writer processes' one-off start-up cost, reported apart), then the
-   timed saves.
-1. **new world first**: the devices of the new layout form it and build the P2P model
-   (untimed, exactly as the checkpoint path's model is built before its timed load);
-   leaving and idle devices leave the old world.  The old model's tensors stay readable.
-2. **exchange group** (old devices + joiners; a bare gloo/NCCL group outside the default
-   world, :func:`etcslurm.groups.lifecycle.exchange_group`): every member replays the same
-   plan (timed), then the executor moves the state straight into the P2P model's views,
-   local slices included, through one staging arena per process that is allocated and
-   touched once (its set-up reported apart), ``repeat`` times.  Leaving and idle devices
-   are done after this and exit.
-3. **new world**: the scalars are restored (timed, part of ``p2p_seconds``); the P2P
-   state is fingerprinted and checked against the pre-migration dump; model B is built and
-   loaded from the checkpoint (timed), compared bit for bit with the P2P model and trained
-   ``steps_after`` steps, then the P2P model trains the same steps: losses must be
-   bit-identical.  Optionally a reference model that never migrated trains from scratch.
-
-Why the exchange needs a group of its own: megatron-core modules keep the process groups
-they were built with, so the new model can only be built in the new world -- which does
-not contain leaving devices.  Before this, the state was received into fresh buffers in a
-union world and copied into a model built afterwards; fresh memory faults inside the
-socket copy and cost 2.4-4x (docs/migration.md).
+0. **old world** (old devices): the runtime's :class:`~etcslurm.runtime.world.World`
+   forms it and builds etcslurm's GPT (as a run's first generation does), trains a few
+   steps, reads the state (the views a resize migrates from) and dumps it (raw bytes, for
+   the independent bit-exact check); then the checkpoint baseline saves it (the first
+   save of a launch warms its writer up, reported apart).
+1. **the decision**: every process computes the record the runtime's decider would
+   publish for an operator's request of the new layout (``next_generation`` with the
+   leavers and joiners), from the same inputs, so all agree without asking anyone.
+2. **the migration**: :func:`etcslurm.runtime.jobs.migration_job` and
+   :meth:`World.migrate` -- the runtime's own code, whichever path it takes
+   (``nothing_moves``, ``analytic``, ``live``, on the world or an exchange group:
+   ``plan_path``) -- observed by :class:`~etcslurm.bench.observer.SlowestObserver`.
+3. **the checks** on the new world: the P2P state against the pre-migration dump; a model
+   loaded from the checkpoint against the P2P one (every tensor, and everything else that
+   shapes the next update: :mod:`etcslurm.bench.signature`); both trained the same steps,
+   their losses and then every tensor (gradients included) compared element by element;
+   optionally megatron-core's refit and a never-migrated reference.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
+import hashlib
 import json
 import shutil
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,75 +38,60 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from etcslurm.bench import signature
+from etcslurm.bench.observer import SlowestObserver, world_max
 from etcslurm.bench.rawdump import GlobalState, dump
 from etcslurm.bench.worker import WorkerContext
+from etcslurm.coord.records import ChangeRequest
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
-from etcslurm.core.state import Piece
-from etcslurm.errors import StateLostError
+from etcslurm.errors import UsageError
 from etcslurm.groups import lifecycle as groups
-from etcslurm.runtime.migration import Migration, MigrationJob, PhaseClock, live_plan
-from etcslurm.transfer.executor import DIRECT_MIN_BYTES, transport_only
+from etcslurm.transfer.executor import DIRECT_MIN_BYTES
 
-
-def _max(value: float) -> float:
-    """The maximum of ``value`` over the current world (every rank gets it)."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def _group_max(xg: Any, value: float, timeout: float) -> float:
-    """The maximum of ``value`` over the exchange group (every member gets it)."""
-    return float(groups.group_max(xg, torch.tensor([value], dtype=torch.float64), timeout).item())
-
-
-def _timed_group_max(xg: Any, timeout: float, fn: Any) -> tuple[float, Any]:
-    """Run ``fn`` between two all-reduces of the exchange group: the slowest member's time."""
-    _group_max(xg, 0.0, timeout)
-    t0 = time.perf_counter()
-    out = fn()
-    return _group_max(xg, time.perf_counter() - t0, timeout), out
-
-
-def _timed_barrier_max(fn: Any) -> tuple[float, Any]:
-    dist.barrier()
-    t0 = time.perf_counter()
-    out = fn()
-    dist.barrier()
-    return _max(time.perf_counter() - t0), out
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+#: the node name of old device ``r`` and of joiner ``k`` (as ``etcslurm plan`` names them)
+GPUS_PER_NODE = 8
 
 
 def migrate(ctx: WorkerContext) -> dict[str, Any]:
-    """The worker target (see the module docstring)."""
+    """The worker target: every case of the launch, in order (see the module docstring)."""
+    from etcslurm.baseline.checkpoint import CheckpointMigrator
     from etcslurm.megatron import cpu_shim
 
-    n_old = ParallelConfig.parse(ctx.config["from"]).world_size
-    index = ctx.index
-    device = str(index) if index < n_old else f"join:{index - n_old}"
-    out: dict[str, Any] = {"device": device}
     cpu_shim.install_if_needed()
-    from etcslurm.baseline.checkpoint import CheckpointMigrator
-
+    cases = ctx.config["cases"]
     baseline = CheckpointMigrator(async_writer=bool(ctx.config.get("async_checkpoint", True)))
+    warm = {"done": False}
+    out = []
     try:
-        return _migrate(ctx, out, baseline, device)
+        for number, case in enumerate(cases):
+            try:
+                out.append(_case(ctx, number, case, baseline, warm))
+            except Exception as exc:
+                raise RuntimeError(f"case {number} of {len(cases)} ({case['from']} → "
+                                   f"{case['to']}, leave {case.get('leave')}, join "
+                                   f"{case.get('join', 0)}): {exc}") from exc
+            groups.teardown()
+            gc.collect()
+            _all_arrive(ctx, f"bench/{number}/end", float(case.get("timeout", 300)))
     finally:
         _close(baseline)
+    return {"cases": out}
+
+
+def _all_arrive(ctx: WorkerContext, key: str, timeout: float) -> None:
+    """A barrier of every launched process on the store (no world spans them all)."""
+    ctx.store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while int(ctx.store.add(key, 0)) < ctx.nprocs:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{key}: not every process arrived within {timeout:.0f} s")
+        time.sleep(0.01)
 
 
 def _close(baseline: Any) -> None:
-    """Stop the checkpoint writer while a process group still exists (megatron's close
-    asks for the rank); idempotent."""
-    if getattr(baseline, "_etcslurm_closed", False):
-        return
-    baseline._etcslurm_closed = True
+    """Stop the checkpoint writer while a process group exists (megatron's close asks for
+    the rank)."""
     if not dist.is_initialized():
         groups.configure_local()
     try:
@@ -121,334 +100,189 @@ def _close(baseline: Any) -> None:
         groups.teardown()
 
 
-def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str) -> dict[str, Any]:
-    from etcslurm.core.gpt_state import rank_pieces
-    from etcslurm.core.planner import gpt_inputs
-    from etcslurm.core.planner import plan as core_plan
-    from etcslurm.megatron import parallel, regroup
-    from etcslurm.megatron.model import TrainHyper, build_gpt
-    from etcslurm.megatron.scalars import extract_scalars
-    from etcslurm.megatron.sharded_meta import local_state
-    from etcslurm.megatron.train import train_step
-
-    c = ctx.config
-    spec = GPTSpec.from_json(c["spec"])
-    old, new = ParallelConfig.parse(c["from"]), ParallelConfig.parse(c["to"])
-    n_old, n_join = old.world_size, int(c.get("join", 0))
-    leave = sorted({int(r) for r in c.get("leave", [])})
-    optimizer, seed = c.get("optimizer", "adam"), int(c.get("seed", 1234))
-    repeat = int(c.get("repeat", 1))
-    timeout = float(c.get("timeout", 300))
-    phase_wait = timedelta(seconds=float(c.get("phase_timeout", 3600)))
-    hyper = TrainHyper(global_batch=int(c["global_batch"]))
-    work = Path(c["work_dir"])
-    ckpt_root = Path(c["ckpt_dir"])
-    index = ctx.index
-    use_ckpt = bool(c.get("checkpoint", True))
-
-    def progress(phase: str, **info: Any) -> None:
-        ctx.publish(device, {"phase": phase, "device": device, **info})
-
-    # ---------------------------------------------------------------- 0. old world
-    # the analytic plan (core.gpt_state): its assignment is what a runtime's decider
-    # publishes; the migration then plans from the live state with it, and the two plans
-    # must be identical (the analytic model describes megatron-core's state exactly)
-    analytic_inputs = gpt_inputs(spec, old, new, leaving=[str(r) for r in leave],
-                                 joiners=n_join, optimizer=optimizer,
-                                 staging_bytes=int(c["plan_staging_bytes"]),
-                                 params_dtype=spec.dtype)
-    plan = core_plan(analytic_inputs)
-    if plan.missing:
-        raise StateLostError(f"pieces with no holder: {sorted(plan.missing)[:3]}")
-    held: list[tuple[Piece, torch.Tensor]] = []
-    scalars: dict[str, Any] | None = None
-    trainee = state = None
-    if index < n_old:
-        progress("build-old")
-        parallel.init_parallel(old, index, n_old, ctx.store, 0, timeout_s=timeout)
-        trainee = build_gpt(spec, old, optimizer, seed, hyper=hyper)
-        losses = []
-        for step in range(int(c.get("steps_before", 2))):
-            progress("train-old", step=step)
-            losses.append(train_step(trainee))
-        out["losses_before"] = losses
-        state = local_state(trainee)
-        held = state.items()
-        out["held_bytes"] = state.nbytes
-        scalars = extract_scalars(trainee)
-        if c.get("verify_global", True):
-            dump(work / "global", f"dev{index}", held)
-        progress("checkpoint-save")
-        t0 = time.perf_counter()
-        if not use_ckpt:
-            baseline = _NoCheckpoint(work)
-        baseline.save(trainee, ckpt_root / "warmup")
-        dist.barrier()
-        out["checkpoint_startup_seconds"] = _max(time.perf_counter() - t0)
-        saves = []
-        for rep in range(repeat):
-            target = ckpt_root / f"save{rep}"
-            seconds, _ = _timed_barrier_max(lambda target=target: baseline.save(trainee, target))
-            saves.append(seconds)
-            if index == 0 and rep > 0:
-                shutil.rmtree(ckpt_root / f"save{rep - 1}", ignore_errors=True)
-        out["checkpoint_save_seconds"] = saves
-        out["checkpoint_path"] = str(ckpt_root / f"save{repeat - 1}")
-        if index == 0:
-            shutil.rmtree(ckpt_root / "warmup", ignore_errors=True)
-            ctx.store.set("bench/scalars", json.dumps(scalars))
-            ctx.store.set("bench/old_done", "1")
-    else:
-        progress("waiting-for-old")
-        ctx.store.wait(["bench/old_done"], phase_wait)
-    # ------------------------------------- 1-2. the runtime's own migration sequence
-    # (etcslurm.runtime.migration: new world and model first -- untimed, exactly as the
-    # checkpoint path's model is built before its timed load --, exchange group, plan,
-    # prepare, exchange ``repeat`` times, commit), each phase timed as its slowest member's
-    n_union = n_old + n_join
-    members = [str(r) for r in range(n_old)] + [f"join:{j}" for j in range(n_join)]
-    new_rank = plan.assignment.index(device) if device in plan.assignment else None
-    out["new_rank"] = new_rank
-    steps_after = int(c.get("steps_after", 2))
-    if new_rank is not None and scalars is None:
-        scalars = json.loads(ctx.store.get("bench/scalars"))
-    direct_min = int(c.get("direct_min_bytes") or DIRECT_MIN_BYTES)
-
-    def form_and_build(generation: int, layout: ParallelConfig, rank: int) -> Any:
-        progress("build-new")
-        parallel.init_parallel(layout, rank, layout.world_size, ctx.store, generation,
-                               timeout_s=timeout)
-        return build_gpt(spec, layout, optimizer, seed, hyper=hyper)
-
-    # as the runtime does (runtime.world.World.regroup): a DP-only change that moves none
-    # of this rank's parameters keeps its model -- re-wrapped for the new groups, its
-    # tensors checked, not copied onto a new model -- else the model is built anew
-    keep, before = None, None
-    if trainee is not None and new_rank is not None and regroup.can_keep(
-            (old, index), (new, new_rank), trainee.optimizer_kind):
-        keep, before = trainee, regroup.snapshot()
-
-    def keep_model(generation: int, layout: ParallelConfig, rank: int,
-                   kept: Any) -> tuple[Any, bool]:
-        progress("regroup")
-        assert before is not None
-        parallel.init_parallel(layout, rank, layout.world_size, ctx.store, generation,
-                               timeout_s=timeout)
-        try:
-            model = regroup.rewrap(kept, before, layout)
-        except regroup.RegroupError:
-            return build_gpt(spec, layout, optimizer, seed, hyper=hyper), False
-        groups.retire(before)
-        return model, True
-
-    job = MigrationJob(
-        generation=1, me=device, members=members, new_rank=new_rank, layout=new, held=held,
-        scalars=scalars if new_rank is not None else None,
-        plan=lambda m: live_plan(m, nodes=analytic_inputs.nodes,
-                                 leaving=list(analytic_inputs.leaving),
-                                 joiners=list(analytic_inputs.joiners),
-                                 assignment=plan.assignment,
-                                 staging_bytes=int(c["plan_staging_bytes"]), tp=new.tp),
-        old=(old, index) if index < n_old else None,
-        expected=lambda layout, rank: rank_pieces(spec, layout, rank, optimizer),
-        keep=keep,
-    )
-
-    def before_exchange(m: Migration) -> None:
-        if c.get("measure_bandwidth", False) and n_union >= 2:
-            out["pair_bandwidth"] = _pair_bandwidth(m.group, index,
-                                                    int(c.get("bandwidth_mbytes", 128)), timeout)
-        # the same buffers and segments through the same group with nothing else: the
-        # transport's floor (before the exchange: it leaves stale bytes in the new model)
-        assert m.plan is not None and m.arena is not None
-        out["transport_seconds"] = [
-            _timed_group_max(m.group, timeout, lambda: transport_only(
-                m.plan.messages, device, m.ranks, m.arena, held, m.needed, group=m.group,
-                timeout=timeout, direct_min=direct_min))[0]
-            for _ in range(repeat)
-        ]
-
-    progress("exchange-group")
-    migration = Migration(
-        job, store=ctx.store, form_and_build=form_and_build,
-        staging_cap=int(c["staging_bytes"]), timeout=timeout, group_timeout=timeout,
-        progress=lambda info: progress("p2p", **info), direct_min=direct_min,
-        clock=_SlowestClock(timeout), regroup=keep_model,
-    )
-    result = migration.run(repeat=repeat, before_exchange=before_exchange)
-    p2p_model = result.trainee
-    out["analytic_equals_live"] = _same_plan(result.plan, plan, device)
-    out["kept"] = result.kept
-    # one-off, reported apart like the checkpoint writer's start-up: the arena's first
-    # allocation and touch (with the holdings and coverage checks)
-    out["arena_setup_seconds"] = result.phase("prepare")
-    restore_s = result.phase("commit")
-    out["plan_seconds"] = result.phase("plan")
-    out["exchange_seconds"] = result.seconds["exchange"]
-    out["transfer"] = result.stats.to_json()
-    out["plan_stats"] = plan.stats  # the analytic whole plan's (the live one is a part)
-    # the old state is no longer needed anywhere: every slice is in the new model now
-    migration, result, held, trainee, state, job = None, None, [], None, None, None
-    gc.collect()
-    if new_rank is None:  # leaving or idle: pieces handed over, done
-        _close(baseline)
-        out["role"] = "leaving" if index in leave else "idle"
-        progress("done")
-        return out
-    out["role"] = "new"
-    # ---------------------------------------------------------------- 3. new world
-    out["restore_seconds"] = restore_s
-    p2p_live = local_state(p2p_model)
-    p2p_prints = {p: _fingerprint(v) for p, v in p2p_live.items()}
-    if c.get("verify_global", True):
-        reference = GlobalState(work / "global")
-        bad = [p for p, v in p2p_live.items() if not _bits_equal(v, reference.expected(p))]
-        out["p2p_equals_pre_migration"] = not bad
-        out["mismatch_p2p_vs_pre_migration"] = [p.to_json() for p in bad[:5]]
-    p2p_live = None
-    # --- refit oracle (bench/refit.py): megatron-core's own weights-only resharding of the
-    # pre-migration weights, timed; its weights must equal the P2P model's bit for bit.
-    # None (+ refit_skipped) out of its scope: one world, nobody leaves or joins.
-    if c.get("refit", True):
-        from etcslurm.bench import refit
-
-        progress("refit")
-        out.update(refit.oracle(
-            spec, old, new, leave, n_join,
-            work / "global" if c.get("verify_global", True) else None,
-            p2p_model.dtype, repeat, p2p_prints, fp=_fingerprint))
-    # --- end refit oracle
-    # checkpoint path: build, load (timed, repeat times), compare with P2P, train, free
-    ckpt_path = ckpt_root / f"save{repeat - 1}"
-    if not use_ckpt:
-        baseline = _NoCheckpoint(work, scalars)
-    progress("build-checkpoint")
-    ckpt_model = build_gpt(spec, new, optimizer, seed, hyper=hyper)
-    loads = []
-    for rep in range(repeat):
-        progress("checkpoint-load", repeat=rep)
-        seconds, _ = _timed_barrier_max(lambda m=ckpt_model: baseline.load(m, ckpt_path))
-        loads.append(seconds)
-    out["checkpoint_load_seconds"] = loads
-    mismatched = [p for p, v in local_state(ckpt_model).items()
-                  if _fingerprint(v) != p2p_prints.get(p)]
-    out["p2p_equals_checkpoint"] = not mismatched if use_ckpt else None
-    out["mismatch_p2p_vs_checkpoint"] = [p.to_json() for p in mismatched[:5]]
-    losses_ckpt = []
-    for step in range(steps_after):
-        progress("train-checkpoint", step=step)
-        losses_ckpt.append(train_step(ckpt_model))
-    out["losses_checkpoint"] = losses_ckpt
-    ckpt_model = None
-    gc.collect()
-    losses_p2p = []
-    for step in range(steps_after):
-        progress("train-p2p", step=step)
-        losses_p2p.append(train_step(p2p_model))
-    out["losses_p2p"] = losses_p2p
-    p2p_model = None
-    if c.get("reference", False):
-        progress("reference")
-        ref = build_gpt(spec, new, optimizer, seed, hyper=hyper)
-        ref_losses = [train_step(ref) for _ in range(int(c.get("steps_before", 2)) + steps_after)]
-        out["losses_reference"] = ref_losses[-steps_after:] if steps_after else []
-        ref = None
-    _close(baseline)
-    progress("done")
-    return out
-
-
-def _same_plan(a: Any, b: Any, device: str) -> bool:
-    """Two plans give ``device`` the same slices from elsewhere, the same local copies and
-    the same missing pieces, for the same assignment (the order of slices, their packing
-    into rounds and the choice between equally good replicas follow the order in which
-    the pieces were described, which differs between megatron-core and the analytic model;
-    the live plan covers only ``device``'s part, so only its own share is compared)."""
-    def moves(p: Any) -> tuple[Any, ...]:
-        sent = sorted(s for m in p.messages if m.dst == device for s in m.slices)
-        local = sorted(p.local.get(device, []))
-        missing = sorted(p.missing.get(device, []))
-        return (list(p.assignment), sent, local, missing, sorted(p.idle))
-
-    return moves(a) == moves(b)
-
-
 def _fingerprint(t: torch.Tensor) -> str:
     """A BLAKE2b digest of a tensor's bytes: bit-exact comparison without keeping a copy."""
-    import hashlib
-
     return hashlib.blake2b(t.detach().contiguous().view(-1).view(torch.uint8).numpy().data,
                            digest_size=16).hexdigest()
 
 
-def _pair_bandwidth(xg: Any, index: int, mbytes: int, timeout: float) -> dict[str, float]:
-    """Best-of-3 one-way bandwidth rank 0 -> rank 1 on the exchange group (resident
-    buffers on both ends)."""
-    buf = torch.ones(mbytes << 20, dtype=torch.uint8)
-    wait = timedelta(seconds=timeout)
-    best = float("inf")
-    for _ in range(3):
-        _group_max(xg, 0.0, timeout)
-        t0 = time.perf_counter()
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _settings(c: dict[str, Any]) -> Any:
+    from etcslurm.runtime.config import RunSettings
+
+    return RunSettings(model=GPTSpec.from_json(c["spec"]), optimizer=c.get("optimizer", "adam"),
+                       global_batch=int(c["global_batch"]), seed=int(c.get("seed", 1234)),
+                       gpus_per_node=GPUS_PER_NODE, staging_bytes=int(c["staging_bytes"]))
+
+
+def _case(ctx: WorkerContext, number: int, c: dict[str, Any], baseline: Any,
+          warm: dict[str, bool]) -> dict[str, Any]:
+    from etcslurm.megatron.sharded_meta import local_state
+    from etcslurm.megatron.train import train_step
+    from etcslurm.runtime.config import WorkerOptions, default_builder
+    from etcslurm.runtime.generation import layout_settings, next_generation, start_generation
+    from etcslurm.runtime.jobs import migration_job
+    from etcslurm.runtime.world import World
+
+    old, new = ParallelConfig.parse(c["from"]), ParallelConfig.parse(c["to"])
+    n_old, n_join = old.world_size, int(c.get("join", 0))
+    index = ctx.index
+    device = str(index) if index < n_old else f"join:{index - n_old}"
+    out: dict[str, Any] = {"device": device}
+    if index >= n_old + n_join:
+        out["role"] = "unused"
+        return out
+    timeout = float(c.get("timeout", 300))
+    steps_before, steps_after = int(c.get("steps_before", 2)), int(c.get("steps_after", 2))
+    work, ckpt_path = Path(c["work_dir"]), Path(c["ckpt_dir"]) / "save"
+    settings = _settings(c)
+    layouts = layout_settings(settings)
+    workers = [f"w{i}" for i in range(n_old + n_join)]
+    nodes = {w: f"n{i // GPUS_PER_NODE}" for i, w in enumerate(workers[:n_old])}
+    nodes.update({w: f"j{k // GPUS_PER_NODE}" for k, w in enumerate(workers[n_old:])})
+    options = WorkerOptions(run_id=f"bench-{number}", redis_url="", node=nodes[workers[index]],
+                            collective_timeout=timeout, log_data=False)
+    world = World(ctx.store, settings, options, default_builder,
+                  direct_min=int(c.get("direct_min_bytes") or DIRECT_MIN_BYTES))
+    world.analytic = world.analytic and not c.get("live_plan", False)
+    use_ckpt = bool(c.get("checkpoint", True))
+
+    def progress(phase: str, **info: Any) -> None:
+        ctx.publish(device, {"phase": phase, "device": device, "case": number, **info})
+
+    # ---------------------------------------------------------------- 0. old world
+    gen0 = 2 * number
+    trainee, held, scalars = None, [], None
+    if index < n_old:
+        progress("build-old")
+        trainee = world.form_and_build(gen0, old, index)
+        out["losses_before"] = []
+        for step in range(steps_before):
+            progress("train-old", step=step)
+            out["losses_before"].append(train_step(trainee))
+        held, scalars = world.read_state(trainee)
+        out["held_bytes"] = sum(v.numel() * v.element_size() for _, v in held)
+        if c.get("verify_global", True):
+            dump(work / "global", f"dev{index}", held)
+        if use_ckpt:
+            progress("checkpoint-save")
+            # the writer's one-off start-up, reported apart: once in a launch on each
+            # process (the save is collective: all warm up if one has not yet)
+            if world_max(0.0 if warm["done"] else 1.0) > 0:
+                t0 = time.perf_counter()
+                baseline.save(trainee, Path(c["ckpt_dir"]) / "warmup")
+                dist.barrier()
+                out["checkpoint_startup_seconds"] = world_max(time.perf_counter() - t0)
+                warm["done"] = True
+            dist.barrier()
+            t0 = time.perf_counter()
+            baseline.save(trainee, ckpt_path)
+            dist.barrier()
+            out["checkpoint_save_seconds"] = world_max(time.perf_counter() - t0)
         if index == 0:
-            xg.send([buf], 1, 0).wait(wait)
-        elif index == 1:
-            xg.recv([buf], 0, 0).wait(wait)
-        best = min(best, _group_max(xg, time.perf_counter() - t0, timeout))
-    return {"bytes": buf.numel(), "seconds": best, "gbps": buf.numel() / best / 1e9}
+            shutil.rmtree(Path(c["ckpt_dir"]) / "warmup", ignore_errors=True)
+            ctx.store.set(f"bench/{number}/scalars", json.dumps(scalars))
+    else:
+        progress("waiting-for-old")
+        ctx.store.wait([f"bench/{number}/scalars"], timedelta(seconds=timeout * 4))
+        scalars = json.loads(ctx.store.get(f"bench/{number}/scalars"))
+    # ------------------------------------------ 1. the record the decider would publish
+    start = start_generation(old, workers[:n_old], nodes, generation=gen0, step=steps_before)
+    request = ChangeRequest(to=str(new), drain=(), by="bench", ts=0.0)
+    record, _ = next_generation(
+        layouts, start, leaving=[workers[r] for r in c.get("leave", [])], dead=(),
+        ready=workers[n_old:], nodes=nodes, step=steps_before, scalars=scalars,
+        reason="bench", request=request)
+    if record.kind != "resize" or record.to_layout != str(new):
+        raise UsageError(f"the decider would not migrate {old} → {new}: {record.reason}")
+    # ---------------------------------------------------- 2. the runtime's migration
+    job = migration_job(world, layouts, record, workers[index], held=held,
+                        old=(old, index) if index < n_old else None, trainee=trainee)
+    observer = SlowestObserver(timeout, measure_bandwidth=bool(c.get("measure_bandwidth")),
+                               bandwidth_mbytes=int(c.get("bandwidth_mbytes", 128)))
+    progress("migrate")
+    result = world.migrate(job, lambda info: progress("p2p", **info), observer)
+    out.update(observer.measured)
+    out.update(new_rank=job.new_rank, kept=result.kept, plan_path=job.path,
+               on_world=job.on_world, plan_stats=record.plan_stats,
+               plan_seconds=result.phase("plan"), exchange_seconds=result.phase("exchange"),
+               restore_seconds=result.phase("commit"),
+               arena_setup_seconds=result.phase("prepare"), transfer=result.stats.to_json(),
+               moved_here=sum(m.nbytes for m in result.plan.messages if m.dst == device))
+    p2p = result.trainee
+    del result, job, held, trainee
+    gc.collect()
+    if p2p is None:  # leaving or idle: pieces handed over, done
+        out["role"] = "leaving" if index in set(c.get("leave", [])) else "idle"
+        progress("done")
+        return out
+    out["role"] = "new"
+    # ---------------------------------------------------------------- 3. the checks
+    p2p_state = local_state(p2p)
+    p2p_prints = {p: _fingerprint(v) for p, v in p2p_state.items()}
+    if c.get("verify_global", True):
+        reference = GlobalState(work / "global")
+        bad = [p for p, v in p2p_state.items() if not _bits_equal(v, reference.expected(p))]
+        out["p2p_equals_pre_migration"] = not bad
+        out["mismatch_p2p_vs_pre_migration"] = [p.to_json() for p in bad[:5]]
+    del p2p_state
+    if c.get("refit", True):
+        from etcslurm.bench import refit
+
+        progress("refit")
+        out.update(refit.oracle(settings.model, old, new, list(c.get("leave", [])), n_join,
+                                work / "global" if c.get("verify_global", True) else None,
+                                p2p.dtype, 1, p2p_prints, fp=_fingerprint))
+    progress("build-checkpoint")
+    other = world.build(settings.model, new, settings)
+    progress("checkpoint-load")
+    dist.barrier()
+    t0 = time.perf_counter()
+    if use_ckpt:
+        baseline.load(other, ckpt_path)
+    else:  # P2P only: the comparison model is filled from the pre-migration dump
+        _load_dump(other, work / "global", scalars)
+    dist.barrier()
+    out["checkpoint_load_seconds"] = world_max(time.perf_counter() - t0)
+    mismatched = [p for p, v in local_state(other).items() if _fingerprint(v) != p2p_prints.get(p)]
+    out["p2p_equals_checkpoint"] = not mismatched
+    out["mismatch_p2p_vs_checkpoint"] = [p.to_json() for p in mismatched[:5]]
+    out["signature_differences"] = signature.signature_differences(
+        signature.update_signature(p2p), signature.update_signature(other))
+    progress("train-after")
+    out["losses_checkpoint"] = [train_step(other) for _ in range(steps_after)]
+    out["losses_p2p"] = [train_step(p2p) for _ in range(steps_after)]
+    out["after_steps"] = signature.compare_states(signature.tensors(p2p),
+                                                  signature.tensors(other))
+    out["after_steps_equal"] = signature.states_equal(out["after_steps"])
+    out["signature_differences_after"] = signature.signature_differences(
+        signature.update_signature(p2p), signature.update_signature(other))
+    del other, p2p
+    gc.collect()
+    if c.get("reference", False):
+        progress("reference")
+        ref = world.build(settings.model, new, settings)
+        losses = [train_step(ref) for _ in range(steps_before + steps_after)]
+        out["losses_reference"] = losses[steps_before:]
+        del ref
+    progress("done")
+    return out
 
 
-class _NoCheckpoint:
-    """Stand-in for the baseline when ``checkpoint`` is off (P2P-only runs): the
-    "checkpoint" model is loaded from the pre-migration dump instead."""
+def _load_dump(trainee: Any, directory: Path, scalars: dict[str, Any] | None) -> None:
+    """Fill ``trainee`` from the pre-migration dump (the oracle where the checkpoint path
+    cannot load the state: optimizer state saved with EP > 1 into EP 1)."""
+    from etcslurm.megatron.adapter import finish_restore
+    from etcslurm.megatron.sharded_meta import local_state
 
-    def __init__(self, work: Path, scalars: dict[str, Any] | None = None) -> None:
-        self.work = work
-        self.scalars = scalars
-
-    def save(self, trainee: Any, path: Path) -> None:
-        del trainee, path
-
-    def close(self) -> None:
-        """Nothing to stop: no writer was started."""
-
-    def load(self, trainee: Any, path: Path) -> None:
-        from etcslurm.megatron.scalars import restore_scalars
-        from etcslurm.megatron.sharded_meta import local_state
-
-        reference = GlobalState(self.work / "global")
+    reference = GlobalState(directory)
+    with torch.no_grad():
         for piece, view in local_state(trainee).items():
             view.copy_(reference.expected(piece))
-        if self.scalars is not None:
-            restore_scalars(trainee, self.scalars)
-
-
-class _SlowestClock(PhaseClock):
-    """Times each phase as its slowest participant's: between two all-reduces of the
-    exchange group (plan, prepare, exchange), or of the new world (commit).  The build and
-    the group's formation are timed locally (untimed in the report, like the checkpoint
-    path's build)."""
-
-    def __init__(self, timeout: float) -> None:
-        super().__init__()
-        self.timeout = timeout
-
-    @contextlib.contextmanager
-    def phase(self, name: str, migration: Migration) -> Iterator[None]:
-        group, new_member = migration.group, migration.trainee is not None
-        # forming the world and the exchange group are timed locally (no collective of
-        # their own: members arrive at different times)
-        if name in ("build", "group") or (group is None and not new_member):
-            with super().phase(name, migration):
-                yield
-            return
-        if group is not None:
-            _group_max(group, 0.0, self.timeout)
-        else:
-            dist.barrier()
-        t0 = time.perf_counter()
-        yield
-        seconds = time.perf_counter() - t0
-        worst = (_group_max(group, seconds, self.timeout) if group is not None
-                 else _max(seconds))
-        self.seconds.setdefault(name, []).append(worst)
+    if scalars is not None:
+        finish_restore(trainee, scalars)

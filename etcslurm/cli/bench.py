@@ -46,6 +46,10 @@ def register(subparsers: Any) -> None:
                    help="skip megatron-core's refit (weights-only resharding), timed and "
                         "checked against P2P where it applies (same world size, nobody "
                         "leaves or joins)")
+    p.add_argument("--live-plan", action="store_true",
+                   help="plan from live descriptions of the state, as the runtime does for "
+                        "a model etcslurm did not build (default: etcslurm's own GPT is "
+                        "planned from its analytic state, as the runtime does)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per bounded wait")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_migrate)
@@ -64,6 +68,7 @@ def _request(args: argparse.Namespace) -> Any:
         global_batch=args.global_batch, staging_mb=args.staging_mb,
         reference=args.reference, verify_global=not args.no_verify_global,
         timeout=args.timeout, dtype=args.dtype, refit=not args.no_refit,
+        live_plan=args.live_plan,
     )
     req.validate()
     return req
@@ -160,8 +165,12 @@ def _print_table(r: dict[str, Any]) -> None:
         t.add_row("bound", f"{r['bound_seconds']:.3f}",
                   f"max received {_fmt_bytes(r['max_recv_bytes'])} ÷ one idle pair's "
                   f"{r['pair_gbps']:.2f} GB/s; exchange ÷ this {r['exchange_vs_bound']:.2f}")
+    t.add_row("plan path", str(r["plan_path"]),
+              "the runtime's path for this change" + (", on the new world" if r["on_world"]
+                                                      else ", on an exchange group"))
     t.add_row("bit exact", "yes" if r["bit_exact"] else "[red]NO[/]",
-              "P2P = checkpoint = pre-migration state")
+              "P2P = checkpoint = pre-migration state, and everything else that shapes the "
+              f"next update; after {r['steps_after']} steps every tensor still equal")
     t.add_row("loss match", "yes" if r["loss_match"] else "[red]NO[/]",
               f"{r['steps_after']} steps after: {r['losses_p2p']}")
     Console().print(t)

@@ -80,6 +80,27 @@ def _jsonable(value: Any) -> bool:
     )
 
 
+def _restore_group_steps(trainee: Trainee, groups: list[list[dict[str, Any]]]) -> None:
+    """Each param group's own ``step``, where the source's had one.
+
+    Why: Transformer Engine's and Apex's fused Adam count steps per param group (torch's
+    Adam per param, restored above); a group that came without it would start its bias
+    correction again at step 1.  The groups of one layout and another are the same list
+    (megatron builds them from the same config), so they are matched by position.
+    """
+    inners = trainee.inner_optimizers()
+    if len(groups) != len(inners):
+        return
+    for mopt, source in zip(inners, groups, strict=True):
+        target = mopt.optimizer.param_groups
+        if len(source) != len(target):
+            raise ValueError(f"{len(source)} optimizer param groups in the source, "
+                             f"{len(target)} here")
+        for group, old in zip(target, source, strict=True):
+            if "step" in old:
+                group["step"] = old["step"]
+
+
 def restore_scalars(trainee: Trainee, scalars: dict[str, Any], restore_rng: bool = False) -> None:
     """Apply :func:`extract_scalars`'s document to a (freshly built, filled) trainee.
 
@@ -98,6 +119,7 @@ def restore_scalars(trainee: Trainee, scalars: dict[str, Any], restore_rng: bool
             if "exp_avg" in state:
                 state["step"] = torch.tensor(step, dtype=torch.float32)
     fix_step_alias(trainee.optimizer)
+    _restore_group_steps(trainee, scalars.get("param_groups") or [])
     if trainee.scheduler is not None and scalars.get("scheduler") is not None:
         trainee.scheduler.num_steps = 0  # load_state_dict steps forward by num_steps
         trainee.scheduler.load_state_dict(dict(scalars["scheduler"]))

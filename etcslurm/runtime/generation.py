@@ -28,6 +28,12 @@ from etcslurm.core.models import GPTSpec
 from etcslurm.core.planner import MigrationPlan, PlanInputs, message_cap, plan
 from etcslurm.core.state import Piece
 from etcslurm.errors import LayoutError
+from etcslurm.runtime.config import RunSettings
+
+#: the decider's plan totals a record carries (``plan_stats``): what every participant
+#: reports, and what tells it that nothing moves
+PLAN_STATS = ("moved_bytes", "local_bytes", "state_bytes", "messages", "rounds",
+              "lower_bound_moved_bytes", "missing_bytes", "part")
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,14 @@ class LayoutSettings:
             optimizer=self.optimizer,
             previous=previous,
         )
+
+
+def layout_settings(settings: RunSettings) -> LayoutSettings:
+    """What the layout policy and the planner need of the run settings."""
+    return LayoutSettings(spec=settings.model, optimizer=settings.optimizer,
+                          global_batch=settings.global_batch, micro_batch=settings.micro_batch,
+                          gpus_per_node=settings.gpus_per_node,
+                          staging_bytes=settings.staging_bytes)
 
 
 def layout_problems(settings: LayoutSettings, config: ParallelConfig) -> list[str]:
@@ -85,26 +99,35 @@ def first_generation(
 ) -> GenerationRecord:
     """Generation 0: the first ``used`` workers (in registration order) form the world."""
     decision = settings.choose(len(workers), None)
-    world = tuple(workers[: decision.used_devices])
-    cfg = decision.config
+    return start_generation(decision.config, workers, nodes, step=step,
+                            reason=decision.reason)
+
+
+def start_generation(layout: ParallelConfig, workers: Sequence[str],
+                     nodes: Mapping[str, str], *, generation: int = 0, step: int = 0,
+                     reason: str = "") -> GenerationRecord:
+    """A ``start`` record: the first ``layout.world_size`` of ``workers`` form a world in
+    ``layout``, the rest stay idle."""
+    used = layout.world_size
+    world = tuple(workers[:used])
     return GenerationRecord(
-        generation=0,  # the coordinator's generation CAS starts from an empty key at 0
+        generation=generation,  # the coordinator's generation CAS starts from an empty key at 0
         kind="start",
         step=step,
         from_layout=None,
-        to_layout=str(cfg),
-        world=cfg.world_size,
-        assignment=_assignment(cfg, world, nodes),
+        to_layout=str(layout),
+        world=used,
+        assignment=_assignment(layout, world, nodes),
         old_world=None,
         union=world,
         leaving=(),
         joining=world,
         dead=(),
-        idle=tuple(workers[decision.used_devices:]),
+        idle=tuple(workers[used:]),
         nodes={w: nodes.get(w, "?") for w in workers},
         planner_ids={},
         scalars={},
-        reason=decision.reason,
+        reason=reason,
     )
 
 
@@ -362,6 +385,7 @@ def next_generation(
         idle=tuple(w for w in union if w not in in_world and w not in gone),
         joining=tuple(w for w in joiners if w in in_world),
     )
+    record = replace(record, plan_stats={k: migration.stats.get(k) for k in PLAN_STATS})
     lost = lost_pieces(migration, padded_vocab(settings.spec, old_cfg.tp))
     if lost:
         why = (f"{len(lost)} state pieces were held only by dead worker(s) "
@@ -373,7 +397,8 @@ def next_generation(
         return replace(
             start, generation=current.generation + 1, resume=str(rollback["path"]),
             from_layout=str(old_cfg), old_world=tuple(old_world), leaving=leavers,
-            dead=gone_dead, reason=f"rollback to the checkpoint of step {rollback['step']} "
+            dead=gone_dead, plan_stats=record.plan_stats,
+            reason=f"rollback to the checkpoint of step {rollback['step']} "
                                    f"({step - int(rollback['step'])} steps lost): {why}",
         ), migration
     return record, migration

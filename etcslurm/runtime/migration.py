@@ -105,6 +105,8 @@ class MigrationJob:
     #: new-rank order: on gloo the exchange runs on the new world itself
     #: (:func:`etcslurm.groups.lifecycle.world_exchange`), not on a group of its own
     on_world: bool = False
+    #: which of the runtime's paths this job takes (``runtime.jobs.PLAN_PATHS``), reported
+    path: str = "analytic"
 
 
 @dataclass
@@ -122,9 +124,13 @@ class MigrationResult:
         return sum(self.seconds.get(name, []))
 
 
-class PhaseClock:
-    """Times the phases on this participant.  The benchmark subclasses it to time each
-    phase as the slowest participant's (an all-reduce before and after)."""
+class Observer:
+    """What a migration tells whoever watches it: how long each phase took on this
+    participant, and the moment its plan is prepared (before anything moves).
+
+    The runtime uses this one; the benchmark's times each phase as its slowest
+    participant's and measures the transport's floor at :meth:`prepared`.
+    """
 
     def __init__(self) -> None:
         self.seconds: dict[str, list[float]] = {}
@@ -135,6 +141,9 @@ class PhaseClock:
         t0 = time.perf_counter()
         yield
         self.seconds.setdefault(name, []).append(time.perf_counter() - t0)
+
+    def prepared(self, migration: Migration) -> None:
+        """The plan is prepared (arena sized, fills checked); nothing has moved yet."""
 
 
 class Migration:
@@ -161,7 +170,7 @@ class Migration:
         hooks: Hooks = NO_HOOKS,
         progress: Callable[[dict[str, Any]], None] | None = None,
         direct_min: int = DIRECT_MIN_BYTES,
-        clock: PhaseClock | None = None,
+        observer: Observer | None = None,
         regroup: Callable[[int, ParallelConfig, int, Any], tuple[Any, bool]] | None = None,
     ) -> None:
         self.job = job
@@ -175,7 +184,7 @@ class Migration:
         self.hooks = hooks
         self.progress = progress
         self.direct_min = direct_min
-        self.clock = clock or PhaseClock()
+        self.observer = observer or Observer()
         self.trainee: Any = None
         #: the new model is the old one, re-wrapped (its tensors are the held ones)
         self.kept = False
@@ -194,17 +203,14 @@ class Migration:
         """Planner id → rank in the exchange group."""
         return {d: i for i, d in enumerate(self.job.members)}
 
-    def run(self, repeat: int = 1,
-            before_exchange: Callable[[Migration], None] | None = None) -> MigrationResult:
-        """All phases in order.  ``repeat`` runs the exchange that many times (benchmarks);
-        ``before_exchange`` is called once the plan is prepared (benchmarks measure the
-        transport's floor there)."""
+    def run(self) -> MigrationResult:
+        """All phases in order."""
         from etcslurm.megatron.model import weights_filled_later
 
-        job, clock = self.job, self.clock
+        job, observer = self.job, self.observer
         # the new model is filled by this migration (``prepare`` refuses a plan that
         # leaves any of it unwritten), so its random init would be work thrown away
-        with clock.phase("build", self), _peer_phase("build"), weights_filled_later():
+        with observer.phase("build", self), _peer_phase("build"), weights_filled_later():
             if job.new_rank is None:
                 groups.teardown()  # a leaver (or idle): it only needs the exchange group
             elif job.keep is not None and self.regroup is not None:
@@ -214,33 +220,30 @@ class Migration:
                 self.trainee = self.form_and_build(job.generation, job.layout, job.new_rank)
         if job.nothing_moves:
             return self._commit_kept()
-        with clock.phase("describe", self):
+        with observer.phase("describe", self):
             self.needed = _local_state(self.trainee)
         exchanged = False
         try:
-            with clock.phase("group", self), _peer_phase("group"):
+            with observer.phase("group", self), _peer_phase("group"):
                 self.group = self._exchange_group()
-            with clock.phase("plan", self), _peer_phase("plan"):
+            with observer.phase("plan", self), _peer_phase("plan"):
                 self.plan = job.plan(self)
-            with clock.phase("prepare", self):
+            with observer.phase("prepare", self):
                 self._prepare()
             self._report({})
-            if before_exchange is not None:
-                before_exchange(self)
-            stats = None
-            for _ in range(max(1, repeat)):
-                with clock.phase("exchange", self), _peer_phase("exchange", MigrationError):
-                    stats = self._exchange()
+            observer.prepared(self)
+            with observer.phase("exchange", self), _peer_phase("exchange", MigrationError):
+                stats = self._exchange()
             exchanged = True
         finally:
-            with clock.phase("close", self):  # after a failure at once: the retry's sockets
+            with observer.phase("close", self):  # after a failure at once: the retry's sockets
                 if not self.shared:  # the world's own backend is not ours to close
                     groups.close_exchange_group(self.group, now=not exchanged)
             self.group = None
-        with clock.phase("commit", self), _peer_phase("commit"):
+        with observer.phase("commit", self), _peer_phase("commit"):
             self._commit()
-        assert stats is not None and self.plan is not None
-        return MigrationResult(self.trainee, self.plan, stats, dict(clock.seconds),
+        assert self.plan is not None
+        return MigrationResult(self.trainee, self.plan, stats, dict(observer.seconds),
                                kept=self.kept)
 
     def _commit_kept(self) -> MigrationResult:
@@ -251,7 +254,7 @@ class Migration:
         job = self.job
         where = f"generation {job.generation}, rank {job.new_rank}"
         if self.trainee is not None:
-            with self.clock.phase("fill", self):
+            with self.observer.phase("fill", self):
                 if self.kept and job.expected is not None:
                     # its tensors are the held ones: only check that they are every piece
                     # the new rank needs (describing the model again and copying it onto
@@ -259,12 +262,12 @@ class Migration:
                     _check_held(job.held, job.expected(job.layout, job.new_rank), where)
                 else:
                     _copy_own(job.held, _local_state(self.trainee), where)
-        with self.clock.phase("commit", self), _peer_phase("commit"):
+        with self.observer.phase("commit", self), _peer_phase("commit"):
             self._commit()
         self.plan = MigrationPlan(assignment=[], messages=[], local={}, missing={}, idle=[],
                                   stats={"moved_bytes": 0})
         return MigrationResult(self.trainee, self.plan, TransferStats(device=job.me),
-                               dict(self.clock.seconds), kept=self.kept)
+                               dict(self.observer.seconds), kept=self.kept)
 
     # ------------------------------------------------------------------ phases
     def _exchange_group(self) -> Any:

@@ -14,11 +14,9 @@ from dataclasses import replace
 from typing import Any
 
 from etcslurm.coord.coordinator import ACTIVE, JOINING
-from etcslurm.coord.records import GenerationRecord
 from etcslurm.core.layout import ParallelConfig
-from etcslurm.core.planner import MigrationPlan
 from etcslurm.errors import StateLostError, WaitTimeout
-from etcslurm.runtime import checkpointing
+from etcslurm.runtime import checkpointing, generation
 from etcslurm.runtime.config import settled_within
 from etcslurm.runtime.generation import (
     LayoutSettings,
@@ -27,8 +25,9 @@ from etcslurm.runtime.generation import (
     merge_requests,
     next_generation,
 )
+from etcslurm.runtime.jobs import migration_job
 from etcslurm.runtime.machine import Context, MigrationReport, Phase, State
-from etcslurm.runtime.migration import MigrationJob, PeerLost, analytic_plan, live_plan
+from etcslurm.runtime.migration import PeerLost
 
 log = logging.getLogger("etcslurm.runtime")
 
@@ -185,29 +184,13 @@ def resize(ctx: Context, state: State) -> State:
     record = state.record
     assert record is not None
     gen, coord, t0 = record.generation, ctx.coord, time.perf_counter()
-    ids = record.planner_ids
-    me, new_rank = ids[ctx.worker_id], record.rank_of(ctx.worker_id)
+    new_rank = record.rank_of(ctx.worker_id)
     held, _ = ctx.holdings()  # the old model stays readable through these until the commit
     old = None
     if ctx.record is not None and ctx.rank is not None:
         old = (ParallelConfig.parse(ctx.record.to_layout), ctx.rank)
-    layout = ParallelConfig.parse(record.to_layout)
-    keep = None  # a DP-only change that moves none of this rank's parameters: keep them
-    if old is not None and new_rank is not None and ctx.world.can_keep(
-            ctx.trainee, old, (layout, new_rank)):
-        keep = ctx.trainee
-    world = record.workers_by_rank()
-    # nobody leaves or stays idle: the exchange can run on the new world itself
-    on_world = set(world) == set(record.union)
-    planner = _analytic_plan if ctx.world.analytic else _live_plan
-    job = MigrationJob(
-        generation=gen, me=me, new_rank=new_rank, layout=layout, held=held,
-        members=[ids[w] for w in (world if on_world else record.union)], on_world=on_world,
-        scalars=dict(record.scalars) if new_rank is not None else None,
-        plan=lambda m: planner(ctx, record, m), old=old,
-        expected=ctx.world.expected_pieces if ctx.world.analytic else None,
-        keep=keep, nothing_moves=_nothing_moves(ctx, record),
-    )
+    job = migration_job(ctx.world, layout_settings(ctx), record, ctx.worker_id, held=held,
+                        old=old, trainee=ctx.trainee)
     t_job = time.perf_counter()
     if new_rank is not None:
         coord.emit("migration.rebuild", gen=gen, worker=ctx.worker_id, rank=new_rank)
@@ -319,66 +302,7 @@ def checkpoint(ctx: Context, state: State) -> State:
 # ---------------------------------------------------------------------- helpers
 def layout_settings(ctx: Context) -> LayoutSettings:
     """What the layout policy and the planner need of the run settings."""
-    s = ctx.settings
-    return LayoutSettings(spec=s.model, optimizer=s.optimizer, global_batch=s.global_batch,
-                          micro_batch=s.micro_batch, gpus_per_node=s.gpus_per_node,
-                          staging_bytes=s.staging_bytes)
-
-
-def _nothing_moves(ctx: Context, record: GenerationRecord) -> bool:
-    """Whether every participant can tell from ``record`` alone that no byte moves: the
-    same TP, PP and EP, no participant without old state, the replicated optimizer, and
-    the decider's plan of etcslurm's own model moves nothing.  Then each new member keeps
-    its model (a DP shrink) and nobody forms an exchange group or replays the plan."""
-    if not ctx.world.analytic or ctx.settings.optimizer != "adam" or not record.from_layout:
-        return False
-    a, b = ParallelConfig.parse(record.from_layout), ParallelConfig.parse(record.to_layout)
-    if (a.tp, a.pp, getattr(a, "ep", 1)) != (b.tp, b.pp, getattr(b, "ep", 1)):
-        return False
-    if any(pid.startswith("join:") for pid in record.planner_ids.values()):
-        return False
-    stats = record.plan_stats or {}
-    return stats.get("moved_bytes") == 0 and not stats.get("missing_bytes")
-
-
-def _analytic_plan(ctx: Context, record: GenerationRecord, migration: Any) -> MigrationPlan:
-    """The plan of ``record`` for etcslurm's own model: from the analytic inputs the
-    decider planned from, with its assignment (no descriptions exchanged; the holdings
-    check compares the live state with the same model)."""
-    from etcslurm.core.gpt_state import padded_vocab
-    from etcslurm.runtime.generation import plan_inputs
-
-    settings = layout_settings(ctx)
-    old_tp = ParallelConfig.parse(record.from_layout or record.to_layout).tp
-    return analytic_plan(
-        migration, plan_inputs(settings, record),
-        assignment=[record.planner_ids[w] for w in record.workers_by_rank()],
-        old_vocab_rows=padded_vocab(settings.spec, old_tp), totals=record.plan_stats)
-
-
-def _live_plan(ctx: Context, record: GenerationRecord, migration: Any) -> MigrationPlan:
-    """The plan of ``record`` from the live state (descriptions exchanged on the exchange
-    group), with the assignment the decider published."""
-    from etcslurm.core.planner import message_cap
-
-    ids, dead = record.planner_ids, set(record.dead)
-    plan = live_plan(
-        migration,
-        nodes={ids[w]: record.nodes.get(w, "?") for w in record.union},
-        leaving=[ids[w] for w in record.leaving if w not in dead],
-        joiners=[ids[w] for w in record.union if ids[w].startswith("join:")],
-        assignment=[ids[w] for w in record.workers_by_rank()],
-        staging_bytes=message_cap(ctx.settings.staging_bytes),
-        tp=ParallelConfig.parse(record.to_layout).tp,
-    )
-    lost = int(plan.stats.get("lost_pieces", 0))
-    if lost:
-        known = [p for pieces in plan.missing.values() for p in pieces][:1]
-        raise StateLostError(
-            f"generation {record.generation}: {lost} state pieces of the new layout have no "
-            f"holder among the participants (first: "
-            f"{known or 'in another rank’s part of the plan'})")
-    return plan
+    return generation.layout_settings(ctx.settings)
 
 
 def publish_next(ctx: Context, reason: str, extra_dead: tuple[str, ...] = ()) -> None:
@@ -400,7 +324,7 @@ def publish_next(ctx: Context, reason: str, extra_dead: tuple[str, ...] = ()) ->
             coord.emit("error", worker=ctx.worker_id,
                        message=f"change request by {request.by} ignored: {problem}")
     rollback = checkpointing.periodic_pointer(ctx.options) if ctx.settings.checkpoint_every else None
-    record, migration = next_generation(
+    record, _plan = next_generation(
         layout_settings(ctx), ctx.record, leaving=view.leaving, dead=dead,
         ready=view.ready, nodes=view.nodes, step=ctx.step, scalars=ctx.holdings()[1],
         reason=reason, request=request, rollback=rollback,
@@ -409,10 +333,6 @@ def publish_next(ctx: Context, reason: str, extra_dead: tuple[str, ...] = ()) ->
     if latest is not None and record.generation <= latest.generation:
         # after a failed migration the failed record is the latest
         record = replace(record, generation=latest.generation + 1)
-    if migration is not None:
-        record = replace(record, plan_stats={k: migration.stats.get(k) for k in (
-            "moved_bytes", "local_bytes", "state_bytes", "messages", "rounds",
-            "lower_bound_moved_bytes", "missing_bytes", "part")})
     if pending:
         coord.take_changes(len(pending))
     if coord.publish_generation(record):

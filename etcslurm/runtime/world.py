@@ -26,7 +26,8 @@ from etcslurm.groups import lifecycle as groups
 from etcslurm.groups.bounds import rendezvous_fails_within
 from etcslurm.hooks import NO_HOOKS, Hooks
 from etcslurm.runtime.config import Builder, RunSettings, WorkerOptions
-from etcslurm.runtime.migration import Migration, MigrationJob, MigrationResult
+from etcslurm.runtime.migration import Migration, MigrationJob, MigrationResult, Observer
+from etcslurm.transfer.executor import DIRECT_MIN_BYTES
 
 log = logging.getLogger("etcslurm.runtime")
 
@@ -36,8 +37,12 @@ class World:
     them, on one long-lived store (one ``PrefixStore`` per generation)."""
 
     def __init__(self, store: dist.Store, settings: RunSettings, options: WorkerOptions,
-                 build: Builder, hooks: Hooks = NO_HOOKS) -> None:
+                 build: Builder, hooks: Hooks = NO_HOOKS,
+                 direct_min: int = DIRECT_MIN_BYTES) -> None:
         self.store = store
+        #: slices of at least this many bytes travel as segments of their own
+        #: (:data:`etcslurm.transfer.executor.DIRECT_MIN_BYTES`)
+        self.direct_min = direct_min
         self.settings = settings
         self.options = options
         self.build = build
@@ -209,8 +214,10 @@ class World:
         return rank_pieces(self.settings.model, layout, rank, self.settings.optimizer)
 
     def migrate(self, job: MigrationJob,
-                progress: Callable[[dict[str, Any]], None] | None = None) -> MigrationResult:
-        """Run the migration sequence for ``job`` (the arena is kept for the next one).
+                progress: Callable[[dict[str, Any]], None] | None = None,
+                observer: Observer | None = None) -> MigrationResult:
+        """Run the migration sequence for ``job`` (the arena is kept for the next one);
+        ``observer`` times its phases (default: this participant's wall clock).
 
         ``job.keep``: this participant's model, kept through :meth:`regroup` (a DP-only
         change); the result's ``seconds`` then split ``build`` into ``world`` (the
@@ -222,6 +229,7 @@ class World:
             staging_cap=self.settings.staging_bytes, timeout=self.options.collective_timeout,
             group_timeout=self.group_timeout,
             arena=self.arena, hooks=self.hooks, progress=progress,
+            direct_min=self.direct_min, observer=observer,
         )
         try:
             result = migration.run()
