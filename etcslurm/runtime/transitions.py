@@ -15,12 +15,13 @@ from typing import Any
 
 from etcslurm.coord.coordinator import ACTIVE, JOINING
 from etcslurm.coord.records import GenerationRecord
-from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.layout import NoLayoutFits, ParallelConfig
 from etcslurm.core.planner import MigrationPlan
 from etcslurm.errors import StateLostError, WaitTimeout
 from etcslurm.runtime import checkpointing
-from etcslurm.runtime.config import settled_within
+from etcslurm.runtime.config import device_memory_bytes, settled_within
 from etcslurm.runtime.generation import (
+    STANDBY,
     LayoutSettings,
     check_request,
     first_generation,
@@ -61,6 +62,9 @@ def first(ctx: Context, state: State) -> State:
     live: dict[str, Any] = {}
     defer_to: str | None = None
     wait_s = 0.0
+    # no layout fits the workers here: wait as standby for more (tried again, with every
+    # live worker, whenever one more registers)
+    standby: tuple[int, str] | None = None
     while True:
         if coord.watch(base, timeout=wait_s).generation > base:
             break
@@ -70,11 +74,19 @@ def first(ctx: Context, state: State) -> State:
             live = {w: i for w, i in coord.live_members().items() if i["state"] == JOINING}
             leader = coord.leader()
             defer_to = None if leader in (None, ctx.worker_id) else leader
-            if leader == ctx.worker_id and len(live) >= settings.initial_workers:
-                workers = list(live)[: settings.initial_workers]
+            if (leader == ctx.worker_id and len(live) >= settings.initial_workers
+                    and (standby is None or len(live) > standby[0])):
+                workers = list(live)[: settings.initial_workers if standby is None else None]
                 nodes = {w: str(i.get("node") or "?") for w, i in live.items()}
-                record = replace(first_generation(layout_settings(ctx), workers, nodes),
-                                 generation=base + 1)
+                try:
+                    record = replace(first_generation(layout_settings(ctx), workers, nodes),
+                                     generation=base + 1)
+                except NoLayoutFits as exc:
+                    standby = (len(workers), str(exc))
+                    coord.emit("run.standby", devices=len(workers), reason=str(exc))
+                    log.warning("standby: %s", exc)
+                    wait_s = POLL_S
+                    continue
                 resume = checkpointing.pointer(ctx.options)
                 if resume:
                     record = replace(record, resume=resume["path"],
@@ -84,6 +96,9 @@ def first(ctx: Context, state: State) -> State:
                     wait_s = 0.0
                     continue
         if time.monotonic() > deadline:
+            if standby is not None:
+                raise WaitTimeout(f"run {ctx.options.run_id}: standby for "
+                                  f"{ctx.options.join_timeout:g} s: {standby[1]}")
             raise WaitTimeout(
                 f"run {ctx.options.run_id}: only {len(live)} of {settings.initial_workers} "
                 f"initial workers registered within {ctx.options.join_timeout:g} s"
@@ -318,11 +333,16 @@ def checkpoint(ctx: Context, state: State) -> State:
 
 # ---------------------------------------------------------------------- helpers
 def layout_settings(ctx: Context) -> LayoutSettings:
-    """What the layout policy and the planner need of the run settings."""
+    """What the layout policy and the planner need of the run settings (device memory:
+    the setting, else this worker's GPU's, else no limit)."""
     s = ctx.settings
+    memory = s.gpu_memory_bytes if s.gpu_memory_bytes is not None else device_memory_bytes()
     return LayoutSettings(spec=s.model, optimizer=s.optimizer, global_batch=s.global_batch,
                           micro_batch=s.micro_batch, gpus_per_node=s.gpus_per_node,
-                          staging_bytes=s.staging_bytes)
+                          staging_bytes=s.staging_bytes, device_memory_bytes=memory,
+                          memory_margin=s.memory_margin, recompute=s.recompute,
+                          min_world=s.min_world, max_world=s.max_world, layouts=s.layouts,
+                          first_layout=s.first_layout)
 
 
 def _nothing_moves(ctx: Context, record: GenerationRecord) -> bool:
@@ -417,6 +437,8 @@ def publish_next(ctx: Context, reason: str, extra_dead: tuple[str, ...] = ()) ->
         coord.take_changes(len(pending))
     if coord.publish_generation(record):
         log.info("published generation %s: %s", record.generation, record.reason)
+        if record.kind == "checkpoint" and f"; {STANDBY}: " in record.reason:
+            coord.emit("run.standby", reason=record.reason.split(f"; {STANDBY}: ", 1)[1])
         if record.kind == "start" and record.resume:  # a rollback (see next_generation)
             coord.emit("run.rollback", step=record.step, lost_steps=ctx.step - record.step,
                        checkpoint=record.resume, reason=record.reason[:200])
