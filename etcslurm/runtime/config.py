@@ -24,7 +24,7 @@ from etcslurm.errors import UsageError
 @dataclass(frozen=True)
 class RunSettings:
     """Run-wide settings: model, optimizer, batch, seed, steps, how layouts are chosen
-and which are allowed.
+    and which are allowed.
 
     ``staging_bytes`` bounds a round's send + receive staging memory; it shapes the plan
     (message sizes, rounds), so it is run-wide too.
@@ -48,7 +48,7 @@ and which are allowed.
     #: the user's limits on layouts: no world below ``min_world`` devices (fewer wait as
     #: standby) nor above ``max_world`` (the extra ones idle as standbys); ``layouts``:
     #: the allowed ones, each a layout (``tp8pp2dp4``) or fixed sizes (``tp=8``,
-    #: ``tp=8,pp=2``), empty: all; ``first_layout``: the first generation's
+    #: ``tp=8,pp=2``), empty: all; ``first_layout``: generation 0's layout
     min_world: int = 1
     max_world: int | None = None
     layouts: tuple[str, ...] = ()

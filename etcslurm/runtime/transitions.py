@@ -324,7 +324,8 @@ def checkpoint(ctx: Context, state: State) -> State:
     ctx.world.barrier()
     if ctx.rank == 0:
         checkpointing.write_pointer(directory, target, record.step, record.from_layout)
-        ctx.coord.emit("run.end", reason="preempted: checkpoint written", step=record.step,
+        why = "standby" if f"; {STANDBY}: " in record.reason else "preempted"
+        ctx.coord.emit("run.end", reason=f"{why}: checkpoint written", step=record.step,
                        checkpoint=str(target))
     ctx.world.barrier()  # latest.json exists before any job is requeued (which ends it)
     checkpointing.requeue_own_job(ctx.coord, ctx.worker_id)
