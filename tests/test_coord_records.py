@@ -51,6 +51,7 @@ SAMPLES = {
     "run.end": {"reason": "finished", "step": 9, "keep_s": 0.0, "checkpoint": None},
     "run.rollback": {"step": 4, "lost_steps": 2, "checkpoint": "/ckpt/step00000004",
                      "reason": "2 pieces lost"},
+    "run.standby": {"reason": "64 devices: no layout fits", "devices": 64},
     "error": {"message": "boom", "worker": "w2"},
     "job.requeued": {"worker": "w1", "job": "123"},
 }

@@ -184,3 +184,39 @@ def test_expert_shards_tile_the_experts_once_per_expert_replica():
             n = sum(p.numel for r in range(cfg.world_size) for p in st.pieces(r)
                     if p.key.startswith("optimizer.state.exp_avg.decoder.layers.mlp.experts"))
             assert n == 2 * 4 * (2 * 32 * 32 + 32 * 32)
+
+
+def test_allowed_layout_filters() -> None:
+    from etcslurm.core.layout import LayoutFilter
+
+    exact = LayoutFilter.parse(" TP2PP2dp4 ")
+    assert str(exact) == "tp2pp2dp4" and exact.allows(ParallelConfig(2, 2, 4))
+    assert not exact.allows(ParallelConfig(2, 2, 2))
+    sizes = LayoutFilter.parse("tp=2,pp=2")
+    assert str(sizes) == "tp=2,pp=2" and sizes.allows(ParallelConfig(2, 2, 7))
+    assert not sizes.allows(ParallelConfig(2, 1, 4))
+    for bad in ("tp=0", "tq=2", "tp=2,", "tp2dp4"):
+        with pytest.raises(LayoutError):
+            LayoutFilter.parse(bad)
+
+
+def test_choose_honours_the_limits_and_names_why() -> None:
+    from etcslurm.core.layout import LayoutFilter, LayoutRules, NoLayoutFits, choose
+    from etcslurm.core.memory import TrainingSetup
+
+    spec = PRESETS["gpt-tiny"]
+    rules = LayoutRules(TrainingSetup(global_batch=12), gpus_per_node=2, max_world=4)
+    d = choose(6, spec, rules)
+    assert d.config == ParallelConfig(1, 1, 4) and d.idle_devices == (4, 5)
+    assert "devices 4-5 idle: max_world=4" in d.reason
+    pinned = LayoutRules(TrainingSetup(global_batch=12), gpus_per_node=2,
+                         allowed=(LayoutFilter.parse("pp=2"),))
+    assert choose(6, spec, pinned).config == ParallelConfig(1, 2, 3)
+    with pytest.raises(NoLayoutFits, match="fewer than min_world=8"):
+        choose(6, spec, LayoutRules(min_world=8))
+    with pytest.raises(NoLayoutFits, match=r"first layout tp2pp1dp2 cannot be used: tp=2 "
+                                           r"does not fit a 1-GPU node"):
+        choose(4, spec, LayoutRules(gpus_per_node=1), first=ParallelConfig(2, 1, 2))
+    with pytest.raises(NoLayoutFits, match=r"3 devices: no layout of gpt-tiny fits; e.g. "
+                                           r"tp1pp1dp3: global batch 8 does not split"):
+        choose(3, spec, LayoutRules(TrainingSetup(global_batch=8), min_world=3))

@@ -8,15 +8,17 @@ import pytest
 
 from etcslurm.coord.records import Assignment, ChangeRequest, GenerationRecord
 from etcslurm.core.gpt_state import expand
-from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.layout import NoLayoutFits, ParallelConfig
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.planner import plan
 from etcslurm.errors import UsageError
 from etcslurm.runtime.generation import (
+    STANDBY,
     LayoutSettings,
     check_request,
     end_generation,
     first_generation,
+    layout_problems,
     next_generation,
     plan_inputs,
     worth_changing,
@@ -172,3 +174,70 @@ def test_schedule_parsing_and_errors() -> None:
         parse_schedule("15:leave=1", steps=10)
     with pytest.raises(UsageError, match="removes more workers"):
         active_after(2, parse_schedule("5:leave=3"))
+
+
+# ---------------------------------------------------------------------- memory and limits
+LLAMA70 = GPTSpec.parse("llama3-70b")
+
+
+def big(**kw: object) -> LayoutSettings:
+    """llama3-70b, distributed optimizer, 8 GPUs a node, global batch 1024."""
+    return LayoutSettings(LLAMA70, "distributed", 1024, 1, gpus_per_node=8,
+                          staging_bytes=1 << 20, **kw)  # type: ignore[arg-type]
+
+
+def test_the_first_layout_fits_device_memory() -> None:
+    ws = [f"w{i}" for i in range(64)]
+    unlimited = first_generation(big(), ws, nodes(*ws))
+    assert unlimited.to_layout == "tp1pp1dp64"  # no limit: the most DP
+    rec = first_generation(big(device_memory_bytes=80 * 10**9), ws, nodes(*ws))
+    assert rec.to_layout == "tp8pp2dp4" and "usable" in rec.reason
+    cfg = ParallelConfig.parse(rec.to_layout)
+    assert big(device_memory_bytes=80 * 10**9).choose(64, None).memory.total <= 80 * 10**9
+    assert layout_problems(big(device_memory_bytes=80 * 10**9), ParallelConfig(1, 1, 64))[0] \
+        .startswith("state+activations")
+    assert not layout_problems(big(device_memory_bytes=80 * 10**9), cfg)
+
+
+def test_too_few_devices_for_the_memory_raise_no_layout_fits() -> None:
+    ws = [f"w{i}" for i in range(8)]
+    with pytest.raises(NoLayoutFits, match=r"8 devices: no layout of llama3-70b fits the "
+                                           r"memory of a device .*smallest: tp8pp1dp1 needs"):
+        first_generation(big(device_memory_bytes=80 * 10**9), ws, nodes(*ws))
+
+
+def test_user_limits_pin_layouts_and_bound_the_world() -> None:
+    ws = ["w1", "w2", "w3", "w4", "w5", "w6"]
+    s = LayoutSettings(SPEC, "adam", 12, 1, gpus_per_node=2, staging_bytes=1 << 20,
+                       max_world=4)
+    rec = first_generation(s, ws, nodes(*ws))
+    assert rec.world == 4 and rec.idle == ("w5", "w6") and "max_world=4" in rec.reason
+    pinned = replace(s, layouts=("tp=2",))
+    assert first_generation(pinned, ws, nodes(*ws)).to_layout == "tp2pp1dp2"
+    listed = replace(s, layouts=("tp1pp2dp2", "tp1pp1dp3"))
+    assert first_generation(listed, ws, nodes(*ws)).to_layout == "tp1pp2dp2"  # most devices
+    first = replace(s, first_layout="tp1pp2dp1")
+    rec = first_generation(first, ws, nodes(*ws))
+    assert rec.to_layout == "tp1pp2dp1" and len(rec.idle) == 4
+    # later generations choose again (within the limits, keeping TP and PP)
+    nxt, _ = next_generation(first, rec, leaving=[], dead=[], ready=list(rec.idle),
+                             nodes=nodes(*ws), step=3, scalars={}, reason="t")
+    assert nxt.to_layout == "tp1pp2dp2" and len(nxt.idle) == 2
+    with pytest.raises(NoLayoutFits, match="fewer than min_world=3"):
+        first_generation(replace(s, min_world=3), ws[:2], nodes(*ws))
+    with pytest.raises(NoLayoutFits, match="first layout tp1pp2dp2 needs 4"):
+        first_generation(replace(s, first_layout="tp1pp2dp2"), ws[:3], nodes(*ws))
+
+
+def test_a_shrink_no_layout_fits_checkpoints_for_standby() -> None:
+    ws = ["w1", "w2", "w3", "w4"]
+    s = LayoutSettings(SPEC, "adam", 12, 1, gpus_per_node=2, staging_bytes=1 << 20,
+                       min_world=3)
+    gen = first_generation(s, ws, nodes(*ws))
+    rec, migration = next_generation(s, gen, leaving=["w3", "w4"], dead=[], ready=[],
+                                     nodes=nodes(*ws), step=9, scalars={}, reason="leave")
+    assert rec.kind == "checkpoint" and migration is None
+    assert f"; {STANDBY}: 2 devices: fewer than min_world=3" in rec.reason
+    assert set(rec.union) == set(ws)
+    # a joiner that would not change the layout is no reason to change
+    assert not worth_changing(replace(s, max_world=4), gen, leaving=[], dead=[], ready=["w9"])

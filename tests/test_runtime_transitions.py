@@ -361,3 +361,38 @@ def test_the_decider_agreed_in_the_vote_publishes_without_asking_redis() -> None
     other = _member_of(coord, gen0, "w3")
     assert transitions.decide(other, State(Phase.DECIDE, decider=1)).record == nxt.record
     assert len(coord.records) == 2  # w3 did not publish a second record
+
+
+def test_no_layout_fits_the_first_workers_waits_as_standby_then_starts() -> None:
+    coord = FakeCoordinator({"w1": member("joining"), "w2": member("joining")})
+    ctx = context("w1", coord, initial=2, join_timeout=5.0)
+    ctx.settings = replace(ctx.settings, min_world=3)
+
+    def third_arrives(c: FakeCoordinator) -> None:
+        if "run.standby" in c.event_types():
+            c.workers.setdefault("w3", member("joining"))
+
+    coord.on_wait = third_arrives
+    state = transitions.first(ctx, State(Phase.FIRST))
+    standby = [f for t, f in coord.events if t == "run.standby"]
+    assert standby == [{"devices": 2, "reason": "2 devices: fewer than min_world=3"}]
+    gen0 = coord.records[0]
+    assert gen0.kind == "start" and gen0.world == 3 and state.phase is Phase.FOLLOW
+
+
+def test_standby_that_lasts_times_out_naming_the_reason() -> None:
+    coord = FakeCoordinator({"w1": member("joining")})
+    ctx = context("w1", coord, initial=1, join_timeout=0.2)
+    ctx.settings = replace(ctx.settings, min_world=2)
+    with pytest.raises(WaitTimeout, match=r"standby for 0.2 s: 1 devices: fewer than min_world"):
+        transitions.first(ctx, State(Phase.FIRST))
+
+
+def test_a_shrink_below_what_fits_checkpoints_and_says_standby() -> None:
+    coord, gen0 = _running(["w1", "w2", "w3"])
+    coord.workers["w3"]["state"] = "leaving"
+    ctx = _member_of(coord, gen0, "w1")
+    ctx.settings = replace(ctx.settings, min_world=3)
+    transitions.publish_next(ctx, reason="resize at step boundary")
+    assert coord.records[-1].kind == "checkpoint"
+    assert ("run.standby", {"reason": "2 devices: fewer than min_world=3"}) in coord.events

@@ -20,6 +20,7 @@ from etcslurm.errors import EtcslurmError
 COMMAND_MODULES = (
     "demo",
     "plan",
+    "layouts",
     "bench",
     "monitor",
     "submit",

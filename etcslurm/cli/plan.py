@@ -42,7 +42,8 @@ def _human(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from etcslurm.core.layout import ParallelConfig, parse_ranges
+    from etcslurm.core.layout import LayoutRules, ParallelConfig, parse_ranges
+    from etcslurm.core.memory import TrainingSetup
     from etcslurm.core.models import GPTSpec
     from etcslurm.core.planner import gpt_inputs, plan
     from etcslurm.errors import UsageError
@@ -50,8 +51,11 @@ def run(args: argparse.Namespace) -> int:
     spec = GPTSpec.parse(args.model)
     old = ParallelConfig.parse(args.old)
     new = ParallelConfig.parse(args.new)
-    old.validate(spec)
-    new.validate(spec)
+    # an invalid layout's error lists the ones `etcslurm layouts` shows as fitting
+    rules = LayoutRules(setup=TrainingSetup(optimizer=args.optimizer),
+                        gpus_per_node=max(1, args.gpus_per_node))
+    old.validate(spec, rules=rules)
+    new.validate(spec, rules=rules)
     if args.join < 0:
         raise UsageError(f"--join must be >= 0, got {args.join}")
     if args.gpus_per_node < 1:

@@ -679,6 +679,18 @@ class RunRollback(EventData):
 
 
 @dataclass(frozen=True)
+class RunStandby(EventData):
+    """No allowed layout of the workers at hand fits (too few, or device memory): the run
+    waits as standby for more (``reason``: one line, ``devices``: how many were here)."""
+
+    TYPE: ClassVar[str] = "run.standby"
+    WHAT: ClassVar[str] = "run.standby event"
+
+    reason: str
+    devices: int | None = None
+
+
+@dataclass(frozen=True)
 class Error(EventData):
     """Something failed; ``message`` says what."""
 
@@ -723,7 +735,7 @@ EVENT_TYPES: dict[str, type[EventData]] = {
     c.TYPE: c
     for c in (WorkerRegistered, WorkerState, WorkerGone, WorkerSignal, ChangeRequested,
               GenerationStart, MigrationRebuild, MigrationProgress, MigrationDone, Step,
-              RunEnd, RunRollback, Error, JobRequeued)
+              RunEnd, RunRollback, RunStandby, Error, JobRequeued)
 }
 
 

@@ -13,6 +13,12 @@ data-parallel ranks (expert tensor parallelism = TP), and each expert shard is r
 over the expert-data-parallel size ``dp / ep``: a rank's expert coordinate is
 ``ep_rank = dp % EP``, ``edp_rank = dp // EP`` (megatron's expert rank generator,
 ``tp-cp-ep-dp-pp`` over (TP, EP, DP/EP, PP)).  ``ep`` must divide ``dp`` and the experts.
+
+The policy (:func:`choose`) judges every layout against :class:`LayoutRules` -- the
+model's divisibility, TP inside a node, the global batch, the per-rank memory of
+:mod:`etcslurm.core.memory` against the device's with a margin, the user's allowed
+layouts and world limits -- and :func:`layout_options` lists that judgement for every
+layout of a device count (``etcslurm layouts``).
 """
 
 from __future__ import annotations
@@ -21,8 +27,16 @@ import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from etcslurm.core.memory import (
+    DEFAULT_MARGIN,
+    MemoryBreakdown,
+    TrainingSetup,
+    format_bytes,
+    rank_memory,
+    usable_bytes,
+)
 from etcslurm.core.models import GPTSpec
-from etcslurm.errors import LayoutError
+from etcslurm.errors import LayoutError, UsageError
 
 _TEXT = re.compile(r"^tp(\d+)pp(\d+)dp(\d+)(?:ep(\d+))?$")
 
@@ -119,13 +133,19 @@ class ParallelConfig:
             out.extend(spec.ep_problems(self.ep))  # a MoE model, experts divisible
         return out
 
-    def validate(self, spec: GPTSpec | None = None, world_size: int | None = None) -> None:
-        """Raise :class:`LayoutError` naming what is wrong and listing valid layouts."""
+    def validate(self, spec: GPTSpec | None = None, world_size: int | None = None,
+                 rules: LayoutRules | None = None) -> None:
+        """Raise :class:`LayoutError` naming what is wrong and listing valid layouts (with
+        ``spec`` and ``rules``: the ones :func:`usable_layouts` lists, which ``etcslurm
+        layouts`` shows too)."""
         problems = self.problems(spec, world_size)
         if not problems:
             return
         n = world_size if world_size is not None else self.world_size
-        valid = valid_configs(n, spec)
+        if spec is not None:
+            valid = usable_layouts(n, spec, rules or LayoutRules(gpus_per_node=None))
+        else:
+            valid = valid_configs(n, spec)
         hint = ", ".join(str(c) for c in valid[:12]) + (" ..." if len(valid) > 12 else "")
         raise LayoutError(
             f"layout {self} is invalid: {'; '.join(problems)}; valid for {n} devices: "
@@ -157,31 +177,163 @@ def valid_configs(
     return out
 
 
-#: bytes of training state per parameter: model param, gradient and the Adam state.
-#: 'adam' (plain): fp32 param + fp32 grad + 2 fp32 moments, all replicated over DP.
-#: 'distributed': bf16 param + fp32 main grad replicated; fp32 main param + 2 moments
-#: sharded over DP (ZeRO-1).
-def state_bytes_per_param(optimizer: str, dp: int) -> float:
-    if optimizer == "adam":
-        return 16.0
-    if optimizer == "distributed":
-        return 6.0 + 12.0 / dp
-    raise LayoutError(f"unknown optimizer {optimizer!r}; use 'adam' or 'distributed'")
+class NoLayoutFits(LayoutError):
+    """No allowed layout of the devices at hand can train the model: the run waits as
+    standby until one does (the message says why, in one line)."""
 
 
-#: share of device memory the training state may use (the rest: activations, buffers).
-MEMORY_FRACTION = 0.7
+_FILTER = re.compile(r"^(tp|pp|dp|ep)=(\d+)$")
 
 
-def rank_state_bytes(spec: GPTSpec, cfg: ParallelConfig, optimizer: str) -> float:
-    """Estimated training-state bytes of the busiest rank (first stage holds embeddings)."""
-    expert_part = spec.layers * spec.experts * spec.expert_params()
-    per_layer = (spec.layer_params() - spec.experts * spec.expert_params()) / cfg.tp
-    emb = (spec.padded_vocab(cfg.tp) * spec.hidden) / cfg.tp + spec.seq * spec.hidden
-    params = per_layer * spec.layers / cfg.pp + emb + expert_part / (cfg.tp * cfg.pp * cfg.ep)
-    if cfg.pp == 1 and not spec.tied_embeddings:
-        params += emb
-    return params * state_bytes_per_param(optimizer, cfg.dp)
+@dataclass(frozen=True)
+class LayoutFilter:
+    """One entry of a run's allowed layouts: a layout (``tp8pp2dp4``: exactly that one)
+    or fixed sizes (``tp=8``, ``tp=8,pp=2``: any layout with those sizes)."""
+
+    sizes: tuple[tuple[str, int], ...]
+    text: str
+
+    @classmethod
+    def parse(cls, text: str) -> LayoutFilter:
+        text = text.strip().lower()
+        if "=" not in text:
+            cfg = ParallelConfig.parse(text)
+            return cls((("tp", cfg.tp), ("pp", cfg.pp), ("dp", cfg.dp), ("ep", cfg.ep)),
+                       str(cfg))
+        sizes = []
+        for part in text.split(","):
+            match = _FILTER.match(part.strip())
+            if not match or int(match.group(2)) < 1:
+                raise LayoutError(f"allowed layout {text!r}: {part.strip()!r} is not of the "
+                                  "form tp=N, pp=N, dp=N or ep=N (N >= 1)")
+            sizes.append((match.group(1), int(match.group(2))))
+        return cls(tuple(sizes), ",".join(f"{k}={v}" for k, v in sizes))
+
+    def allows(self, cfg: ParallelConfig) -> bool:
+        return all(getattr(cfg, key) == value for key, value in self.sizes)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True)
+class LayoutRules:
+    """What a layout must satisfy besides the model's divisibility: TP inside a node
+    (``gpus_per_node`` None: no rule), the global batch (``setup.global_batch``), device
+    memory with a margin (``device_memory_bytes`` None: no limit), and the user's limits
+    (``allowed``: empty allows all; world sizes from ``min_world`` to ``max_world``)."""
+
+    setup: TrainingSetup = field(default_factory=TrainingSetup)
+    gpus_per_node: int | None = 8
+    device_memory_bytes: int | None = None
+    memory_margin: float = DEFAULT_MARGIN
+    allowed: tuple[LayoutFilter, ...] = ()
+    min_world: int = 1
+    max_world: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.memory_margin < 1:
+            raise UsageError(f"memory margin must be in [0, 1), got {self.memory_margin}")
+        if self.device_memory_bytes is not None and self.device_memory_bytes <= 0:
+            raise UsageError(f"device memory must be positive, got {self.device_memory_bytes}")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise UsageError(f"gpus per node must be at least 1, got {self.gpus_per_node}")
+        if self.min_world < 1:
+            raise UsageError(f"min_world must be at least 1, got {self.min_world}")
+        if self.max_world is not None and self.max_world < self.min_world:
+            raise UsageError(f"max_world={self.max_world} is below min_world={self.min_world}")
+
+    @property
+    def usable_bytes(self) -> int | None:
+        """Bytes a rank may use (None: no limit)."""
+        if self.device_memory_bytes is None:
+            return None
+        return usable_bytes(self.device_memory_bytes, self.memory_margin)
+
+
+@dataclass(frozen=True)
+class LayoutOption:
+    """One layout judged against the rules: its busiest rank's memory (None when the
+    model cannot be split this way) and everything that rules it out (empty: it fits)."""
+
+    config: ParallelConfig
+    memory: MemoryBreakdown | None
+    problems: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def why(self) -> str | None:
+        """The first reason it does not fit (None: it fits)."""
+        return self.problems[0] if self.problems else None
+
+    @property
+    def memory_only(self) -> bool:
+        """Ruled out by device memory alone."""
+        return len(self.problems) == 1 and self.problems[0].startswith(_MEMORY)
+
+    def to_json(self) -> dict:
+        return {"layout": str(self.config),
+                "per_rank_bytes": None if self.memory is None else self.memory.total,
+                "breakdown": None if self.memory is None else self.memory.to_json(),
+                "fits": self.fits, "why": self.why}
+
+
+_MEMORY = "state+activations"
+
+
+def assess(cfg: ParallelConfig, spec: GPTSpec, rules: LayoutRules) -> LayoutOption:
+    """``cfg`` judged against the model and ``rules``; problems in this order: the model's
+    divisibility, TP inside a node, the allowed layouts, the world limits, the global
+    batch, device memory."""
+    problems = cfg.problems(spec)
+    memory = None if problems else rank_memory(spec, cfg, rules.setup)
+    gpn = rules.gpus_per_node
+    if gpn is not None and gpn % cfg.tp:
+        problems.append(f"tp={cfg.tp} does not fit a {gpn}-GPU node (spans "
+                        f"{-(-cfg.tp // gpn)} nodes)" if cfg.tp > gpn else
+                        f"tp={cfg.tp} does not fit a {gpn}-GPU node (does not divide it)")
+    if rules.allowed and not any(f.allows(cfg) for f in rules.allowed):
+        problems.append(f"not among the allowed layouts "
+                        f"({'; '.join(str(f) for f in rules.allowed)})")
+    if cfg.world_size < rules.min_world:
+        problems.append(f"{cfg.world_size} devices is below min_world={rules.min_world}")
+    if rules.max_world is not None and cfg.world_size > rules.max_world:
+        problems.append(f"{cfg.world_size} devices is above max_world={rules.max_world}")
+    gb, mb = rules.setup.global_batch, rules.setup.micro_batch
+    if gb is not None and gb % (cfg.dp * mb):
+        problems.append(f"global batch {gb} does not split over dp={cfg.dp} with micro "
+                        f"batch {mb} (dp×mb = {cfg.dp * mb})")
+    usable = rules.usable_bytes
+    if memory is not None and usable is not None and memory.total > usable:
+        problems.append(f"{_MEMORY} {format_bytes(memory.total)} > {format_bytes(usable)} "
+                        "usable")
+    return LayoutOption(cfg, memory, tuple(problems))
+
+
+def _preference(cfg: ParallelConfig) -> tuple:
+    """Smallest model-parallel size first (more DP, less communication), then the
+    smaller PP, then for a MoE model the largest EP (fewest expert bytes per rank)."""
+    return (cfg.tp * cfg.pp, cfg.pp, cfg.tp, -cfg.ep)
+
+
+def layout_options(n_devices: int, spec: GPTSpec, rules: LayoutRules) -> list[LayoutOption]:
+    """Every layout of exactly ``n_devices`` (every TP × PP × DP, and every EP dividing
+    DP for a MoE model), judged (:func:`assess`), in the policy's order of preference."""
+    out = []
+    for tp in _divisors(n_devices):
+        for pp in _divisors(n_devices // tp):
+            dp = n_devices // (tp * pp)
+            for ep in _divisors(dp) if spec.moe else [1]:
+                out.append(assess(ParallelConfig(tp, pp, dp, ep), spec, rules))
+    return sorted(out, key=lambda o: _preference(o.config))
+
+
+def usable_layouts(n_devices: int, spec: GPTSpec, rules: LayoutRules) -> list[ParallelConfig]:
+    """The layouts of ``n_devices`` that fit ``rules``, in the policy's order."""
+    return [o.config for o in layout_options(n_devices, spec, rules) if o.fits]
 
 
 @dataclass(frozen=True)
@@ -194,6 +346,8 @@ class LayoutDecision:
     reason: str
     micro_batches_per_rank: int
     notes: tuple[str, ...] = field(default=())
+    #: the busiest rank's memory under this layout
+    memory: MemoryBreakdown | None = None
 
     def to_json(self) -> dict:
         return {
@@ -205,6 +359,103 @@ class LayoutDecision:
         }
 
 
+def choose(
+    n_devices: int,
+    spec: GPTSpec,
+    rules: LayoutRules,
+    previous: ParallelConfig | None = None,
+    first: ParallelConfig | None = None,
+) -> LayoutDecision:
+    """Pick the layout for ``n_devices`` under ``rules``.
+
+    Preference order: use as many devices as possible (up to ``max_world``); keep the
+    previous TP and PP (then every surviving DP replica already holds its state); then
+    :func:`_preference`; for a MoE model the previous EP if it still divides DP.  When no
+    layout uses all devices (a prime count, a batch that does not divide, memory), the
+    highest device indices idle and the reason says why.  ``first``: the user's first
+    layout, used as it is.  Raises :class:`NoLayoutFits` when nothing fits.
+    """
+    if n_devices < 1:
+        raise LayoutError(f"need at least one device, got {n_devices}")
+    if n_devices < rules.min_world:
+        raise NoLayoutFits(f"{n_devices} devices: fewer than min_world={rules.min_world}")
+    top = min(n_devices, rules.max_world or n_devices)
+    if first is not None:
+        option = assess(first, spec, rules)
+        if first.world_size > n_devices:
+            raise NoLayoutFits(f"{n_devices} devices: the first layout {first} needs "
+                               f"{first.world_size}")
+        if not option.fits:
+            raise NoLayoutFits(f"{n_devices} devices: the first layout {first} cannot be "
+                               f"used: {option.why}")
+        return _decision(option, n_devices, top, spec, rules, previous, "the first layout set")
+    best: tuple | None = None
+    rejected: list[LayoutOption] = []
+    for used in range(top, rules.min_world - 1, -1):
+        if best is not None and used < -best[0][0]:
+            break  # every layout on fewer devices ranks below the best one found
+        for option in layout_options(used, spec, rules):
+            cfg = option.config
+            if not option.fits:
+                rejected.append(option)
+                continue
+            keeps = previous is not None and (cfg.tp, cfg.pp) == (previous.tp, previous.pp)
+            keeps_ep = previous is not None and cfg.ep == previous.ep
+            key = (-used, not keeps, *_preference(cfg)[:3], not keeps_ep, -cfg.ep)
+            if best is None or key < best[0]:
+                best = (key, option)
+    if best is None:
+        raise NoLayoutFits(_nothing_fits(n_devices, spec, rules, rejected))
+    return _decision(best[1], n_devices, top, spec, rules, previous, None)
+
+
+def _nothing_fits(n: int, spec: GPTSpec, rules: LayoutRules,
+                  rejected: list[LayoutOption]) -> str:
+    """One line: why no layout of at most ``n`` devices fits."""
+    by_memory = [o for o in rejected if o.memory_only and o.memory is not None]
+    if by_memory:
+        small = min(by_memory, key=lambda o: (o.memory.total, _preference(o.config)))
+        assert small.memory is not None and rules.device_memory_bytes is not None
+        return (f"{n} devices: no layout of {spec} fits the memory of a device "
+                f"({format_bytes(rules.device_memory_bytes)}, "
+                f"{format_bytes(rules.usable_bytes or 0)} usable; smallest: {small.config} "
+                f"needs {format_bytes(small.memory.total)})")
+    example = next((o for o in rejected if o.memory is not None), rejected[0] if rejected
+                   else None)
+    tail = f"; e.g. {example.config}: {example.why}" if example is not None else ""
+    return f"{n} devices: no layout of {spec} fits{tail}"
+
+
+def _decision(option: LayoutOption, n_devices: int, top: int, spec: GPTSpec,
+              rules: LayoutRules, previous: ParallelConfig | None,
+              why: str | None) -> LayoutDecision:
+    cfg = option.config
+    used = cfg.world_size
+    idle = tuple(range(used, n_devices))
+    parts = [f"{cfg} on {used} of {n_devices} devices"]
+    if why:
+        parts.append(why)
+    if previous is not None and (cfg.tp, cfg.pp) == (previous.tp, previous.pp):
+        parts.append("keeps TP and PP of the previous layout so replicas keep their state")
+    if option.memory is not None and rules.usable_bytes is not None:
+        parts.append(f"{format_bytes(option.memory.total)} per rank of "
+                     f"{format_bytes(rules.usable_bytes)} usable")
+    if idle:
+        if why is not None:
+            parts.append(f"devices {_ranges(idle)} idle: {why} uses {used}")
+        elif used == top < n_devices:
+            parts.append(f"devices {_ranges(idle)} idle: max_world={top}")
+        else:
+            first_no = next((o for o in layout_options(top, spec, rules) if not o.fits), None)
+            detail = f" ({first_no.config}: {first_no.why})" if first_no is not None else ""
+            parts.append(f"devices {_ranges(idle)} idle: no allowed layout of "
+                         f"{used + 1}..{n_devices} devices fits{detail}")
+    gb, mb = rules.setup.global_batch, rules.setup.micro_batch
+    micro = 1 if gb is None else gb // (cfg.dp * mb)
+    parts.append(f"{micro} micro-batches of {mb} per rank per step")
+    return LayoutDecision(cfg, used, idle, "; ".join(parts), micro, memory=option.memory)
+
+
 def choose_config(
     n_devices: int,
     spec: GPTSpec,
@@ -214,66 +465,30 @@ def choose_config(
     micro_batch: int = 1,
     optimizer: str = "adam",
     previous: ParallelConfig | None = None,
+    *,
+    memory_margin: float = DEFAULT_MARGIN,
+    recompute: str = "selective",
+    sequence_parallel: bool = True,
+    params_dtype: str | None = None,
+    allowed: tuple[str, ...] = (),
+    min_world: int = 1,
+    max_world: int | None = None,
+    first: ParallelConfig | None = None,
 ) -> LayoutDecision:
-    """Pick the layout for ``n_devices``: TP inside a node, PP as memory requires, DP takes
-    the rest, the global batch kept (``global_batch = dp * micro_batch * micro_batches``).
-
-    Preference order: use as many devices as possible; keep the previous TP and PP (then
-    every surviving DP replica already holds its state); the smallest model-parallel size
-    ``tp*pp`` that fits memory (more DP, less communication); then the smaller PP; for a
-    MoE model, the previous EP if it still divides DP, else the largest EP (fewest expert
-    bytes per rank).  When no
-    layout uses all devices (a prime count, a batch that does not divide), the highest
-    device indices idle and the reason says why.
-    """
-    if n_devices < 1:
-        raise LayoutError(f"need at least one device, got {n_devices}")
+    """:func:`choose` with the rules spelled out (see :class:`LayoutRules`,
+    :class:`~etcslurm.core.memory.TrainingSetup`)."""
     if global_batch % micro_batch:
         raise LayoutError(
             f"global batch {global_batch} is not a multiple of micro batch {micro_batch}"
         )
-    state_bytes_per_param(optimizer, 1)  # validates the name
-    budget = None if device_memory_bytes is None else device_memory_bytes * MEMORY_FRACTION
-    best: tuple | None = None
-    rejected: dict[str, int] = {}
-    for used in range(n_devices, 0, -1):
-        if best is not None and used < -best[0][0]:
-            break  # every layout on fewer devices ranks below the best one found
-        for cfg in valid_configs(used, spec, gpus_per_node):
-            if global_batch % (cfg.dp * micro_batch):
-                rejected["global batch"] = rejected.get("global batch", 0) + 1
-                continue
-            if budget is not None and rank_state_bytes(spec, cfg, optimizer) > budget:
-                rejected["memory"] = rejected.get("memory", 0) + 1
-                continue
-            keeps = previous is not None and (cfg.tp, cfg.pp) == (previous.tp, previous.pp)
-            keeps_ep = previous is not None and cfg.ep == previous.ep
-            key = (-used, not keeps, cfg.tp * cfg.pp, cfg.pp, cfg.tp, not keeps_ep, -cfg.ep)
-            if best is None or key < best[0]:
-                best = (key, cfg)
-    if best is None:
-        why = ", ".join(f"{k}: {v}" for k, v in sorted(rejected.items())) or "no valid layout"
-        raise LayoutError(
-            f"no layout of {spec} fits {n_devices} devices ({gpus_per_node} per node, "
-            f"global batch {global_batch}, micro batch {micro_batch}); rejected by {why}"
-        )
-    cfg = best[1]
-    used = cfg.world_size
-    idle = tuple(range(used, n_devices))
-    parts = [f"{cfg} on {used} of {n_devices} devices"]
-    if previous is not None and (cfg.tp, cfg.pp) == (previous.tp, previous.pp):
-        parts.append("keeps TP and PP of the previous layout so replicas keep their state")
-    if idle:
-        parts.append(
-            f"devices {_ranges(idle)} idle: no layout of {used + 1}..{n_devices} devices "
-            f"divides heads={spec.heads}, ffn={spec.ffn}, layers={spec.layers} with TP inside "
-            f"a {gpus_per_node}-GPU node, keeps global batch {global_batch} with micro "
-            f"batch {micro_batch}"
-            + (" and fits device memory" if budget is not None else "")
-        )
-    micro = global_batch // (cfg.dp * micro_batch)
-    parts.append(f"{micro} micro-batches of {micro_batch} per rank per step")
-    return LayoutDecision(cfg, used, idle, "; ".join(parts), micro)
+    setup = TrainingSetup(optimizer=optimizer, micro_batch=micro_batch,
+                          global_batch=global_batch, recompute=recompute,
+                          sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+    rules = LayoutRules(setup=setup, gpus_per_node=gpus_per_node,
+                        device_memory_bytes=device_memory_bytes, memory_margin=memory_margin,
+                        allowed=tuple(LayoutFilter.parse(a) for a in allowed),
+                        min_world=min_world, max_world=max_world)
+    return choose(n_devices, spec, rules, previous, first)
 
 
 def _ranges(values: tuple[int, ...]) -> str:

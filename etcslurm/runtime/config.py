@@ -9,19 +9,22 @@ and may differ from worker to worker.
 
 from __future__ import annotations
 
+import functools
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.layout import LayoutFilter, LayoutRules, ParallelConfig
+from etcslurm.core.memory import DEFAULT_MARGIN, TrainingSetup
 from etcslurm.core.models import GPTSpec
 from etcslurm.errors import UsageError
 
 
 @dataclass(frozen=True)
 class RunSettings:
-    """Run-wide settings: model, optimizer, batch, seed, steps, how layouts are chosen.
+    """Run-wide settings: model, optimizer, batch, seed, steps, how layouts are chosen
+    and which are allowed.
 
     ``staging_bytes`` bounds a round's send + receive staging memory; it shapes the plan
     (message sizes, rounds), so it is run-wide too.
@@ -42,6 +45,38 @@ class RunSettings:
     #: latest complete one instead of stopping
     checkpoint_every: int = 0
     checkpoint_keep: int = 2  # complete periodic checkpoints kept
+    #: the user's limits on layouts: no world below ``min_world`` devices (fewer wait as
+    #: standby) nor above ``max_world`` (the extra ones idle as standbys); ``layouts``:
+    #: the allowed ones, each a layout (``tp8pp2dp4``) or fixed sizes (``tp=8``,
+    #: ``tp=8,pp=2``), empty: all; ``first_layout``: generation 0's layout
+    min_world: int = 1
+    max_world: int | None = None
+    layouts: tuple[str, ...] = ()
+    first_layout: str | None = None
+    #: how activations are recomputed ('none', 'selective', 'full'): the memory estimate
+    recompute: str = "selective"
+    #: device memory per rank (None: ``torch.cuda.mem_get_info`` on a GPU, no limit on CPU)
+    gpu_memory_bytes: int | None = None
+    memory_margin: float = DEFAULT_MARGIN  # share of device memory kept free
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layouts", tuple(str(x) for x in self.layouts))
+        # every limit checked as the policy reads it (one line each)
+        allowed = tuple(LayoutFilter.parse(x) for x in self.layouts)
+        LayoutRules(setup=TrainingSetup(optimizer=self.optimizer, micro_batch=self.micro_batch,
+                                        global_batch=self.global_batch,
+                                        recompute=self.recompute),
+                    gpus_per_node=self.gpus_per_node, device_memory_bytes=self.gpu_memory_bytes,
+                    memory_margin=self.memory_margin, allowed=allowed,
+                    min_world=self.min_world, max_world=self.max_world)
+        if self.first_layout is not None:
+            first = ParallelConfig.parse(self.first_layout)
+            object.__setattr__(self, "first_layout", str(first))
+            if self.max_world is not None and first.world_size > self.max_world:
+                raise UsageError(f"first_layout {first} needs {first.world_size} devices, "
+                                 f"above max_world={self.max_world}")
+            if allowed and not any(f.allows(first) for f in allowed):
+                raise UsageError(f"first_layout {first} is not among the allowed layouts")
 
     def to_json(self) -> dict[str, Any]:
         """The run spec stored in the coordinator (JSON)."""
@@ -58,6 +93,13 @@ class RunSettings:
             "staging_bytes": self.staging_bytes,
             "checkpoint_every": self.checkpoint_every,
             "checkpoint_keep": self.checkpoint_keep,
+            "min_world": self.min_world,
+            "max_world": self.max_world,
+            "layouts": list(self.layouts),
+            "first_layout": self.first_layout,
+            "recompute": self.recompute,
+            "gpu_memory_bytes": self.gpu_memory_bytes,
+            "memory_margin": self.memory_margin,
         }
 
     @classmethod
@@ -77,9 +119,31 @@ class RunSettings:
                 staging_bytes=int(spec.get("staging_bytes", 512 * 2**20)),
                 checkpoint_every=int(spec.get("checkpoint_every", 0)),
                 checkpoint_keep=int(spec.get("checkpoint_keep", 2)),
+                min_world=int(spec.get("min_world", 1)),
+                max_world=_optional_int(spec.get("max_world")),
+                layouts=tuple(str(x) for x in spec.get("layouts") or ()),
+                first_layout=spec.get("first_layout"),
+                recompute=str(spec.get("recompute", "selective")),
+                gpu_memory_bytes=_optional_int(spec.get("gpu_memory_bytes")),
+                memory_margin=float(spec.get("memory_margin", DEFAULT_MARGIN)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"the run spec in the coordinator is malformed: {exc!r}") from None
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+@functools.cache
+def device_memory_bytes() -> int | None:
+    """This worker's device memory (``torch.cuda.mem_get_info``'s total), read once per
+    process; None without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.mem_get_info()[1])
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,16 @@ from typing import Any
 
 from etcslurm.coord.records import Assignment, ChangeRequest, GenerationRecord
 from etcslurm.core.gpt_state import expand, padded_vocab, split_vocab_fill
-from etcslurm.core.layout import LayoutDecision, ParallelConfig, choose_config
+from etcslurm.core.layout import (
+    LayoutDecision,
+    LayoutFilter,
+    LayoutRules,
+    NoLayoutFits,
+    ParallelConfig,
+    assess,
+    choose,
+)
+from etcslurm.core.memory import DEFAULT_MARGIN, TrainingSetup
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.planner import MigrationPlan, PlanInputs, message_cap, plan
 from etcslurm.core.state import Piece
@@ -35,11 +44,20 @@ from etcslurm.runtime.config import RunSettings
 PLAN_STATS = ("moved_bytes", "local_bytes", "state_bytes", "messages", "rounds",
               "lower_bound_moved_bytes", "missing_bytes", "part")
 
+#: marks the reason of a checkpoint record written because no layout fits the workers
+#: that stay (they and the restart wait as standby)
+STANDBY = "standby"
+
 
 @dataclass(frozen=True)
 class LayoutSettings:
     """The parts of the run settings that decide layouts and plans (identical on every
-    worker; built from :class:`etcslurm.runtime.config.RunSettings`)."""
+    worker; built from :class:`etcslurm.runtime.config.RunSettings`).
+
+    ``device_memory_bytes``: per device (None: no limit); ``memory_margin``, ``recompute``:
+    see :mod:`etcslurm.core.memory`; ``min_world``, ``max_world``, ``layouts`` (allowed:
+    layouts or fixed sizes such as ``tp=8``) and ``first_layout``: the user's limits.
+    """
 
     spec: GPTSpec
     optimizer: str
@@ -48,40 +66,59 @@ class LayoutSettings:
     gpus_per_node: int
     staging_bytes: int
     params_dtype: str | None = None  # None: the model's own (``spec.dtype``)
+    device_memory_bytes: int | None = None
+    memory_margin: float = DEFAULT_MARGIN
+    recompute: str = "selective"
+    min_world: int = 1
+    max_world: int | None = None
+    layouts: tuple[str, ...] = ()
+    first_layout: str | None = None
+
+    @property
+    def rules(self) -> LayoutRules:
+        setup = TrainingSetup(optimizer=self.optimizer, micro_batch=self.micro_batch,
+                              global_batch=self.global_batch, recompute=self.recompute,
+                              params_dtype=self.params_dtype)
+        return LayoutRules(setup=setup, gpus_per_node=self.gpus_per_node,
+                           device_memory_bytes=self.device_memory_bytes,
+                           memory_margin=self.memory_margin,
+                           allowed=tuple(LayoutFilter.parse(x) for x in self.layouts),
+                           min_world=self.min_world, max_world=self.max_world)
 
     def choose(self, n_devices: int, previous: ParallelConfig | None) -> LayoutDecision:
-        return choose_config(
-            n_devices,
-            self.spec,
-            gpus_per_node=self.gpus_per_node,
-            global_batch=self.global_batch,
-            micro_batch=self.micro_batch,
-            optimizer=self.optimizer,
-            previous=previous,
-        )
+        """The layout for ``n_devices`` (the first layout, if set, when there is no
+        previous one); :class:`NoLayoutFits` when none fits."""
+        first = None
+        if previous is None and self.first_layout is not None:
+            first = ParallelConfig.parse(self.first_layout)
+        if self.global_batch % self.micro_batch:
+            raise LayoutError(f"global batch {self.global_batch} is not a multiple of "
+                              f"micro batch {self.micro_batch}")
+        return choose(n_devices, self.spec, self.rules, previous, first)
 
 
-def layout_settings(settings: RunSettings) -> LayoutSettings:
-    """What the layout policy and the planner need of the run settings."""
-    return LayoutSettings(spec=settings.model, optimizer=settings.optimizer,
-                          global_batch=settings.global_batch, micro_batch=settings.micro_batch,
-                          gpus_per_node=settings.gpus_per_node,
-                          staging_bytes=settings.staging_bytes)
+def layout_settings(settings: RunSettings,
+                    device_memory: int | None = None) -> LayoutSettings:
+    """What the layout policy and the planner need of the run settings; the memory per
+    device is the setting's, else ``device_memory`` (this worker's GPU's), else none."""
+    s = settings
+    memory = s.gpu_memory_bytes if s.gpu_memory_bytes is not None else device_memory
+    return LayoutSettings(spec=s.model, optimizer=s.optimizer, global_batch=s.global_batch,
+                          micro_batch=s.micro_batch, gpus_per_node=s.gpus_per_node,
+                          staging_bytes=s.staging_bytes, device_memory_bytes=memory,
+                          memory_margin=s.memory_margin, recompute=s.recompute,
+                          min_world=s.min_world, max_world=s.max_world, layouts=s.layouts,
+                          first_layout=s.first_layout)
 
 
 def layout_problems(settings: LayoutSettings, config: ParallelConfig) -> list[str]:
     """Why ``config`` cannot train this run's model and batch (empty: it can).
 
     The same rules as the automatic choice: heads, ffn and layers divide, TP groups fit
-    inside a node, the global batch splits over DP.
+    inside a node, the allowed layouts and world limits, the global batch splits over DP,
+    the busiest rank fits device memory.
     """
-    out = config.problems(settings.spec)
-    if settings.gpus_per_node % config.tp:
-        out.append(f"tp={config.tp} does not fit a {settings.gpus_per_node}-GPU node")
-    if settings.global_batch % (config.dp * settings.micro_batch):
-        out.append(f"global batch {settings.global_batch} does not split over dp={config.dp} "
-                   f"with micro batch {settings.micro_batch}")
-    return out
+    return list(assess(config, settings.spec, settings.rules).problems)
 
 
 def _assignment(
@@ -284,7 +321,10 @@ def worth_changing(
     if not joiners or current.requested is not None:
         return False
     now = ParallelConfig.parse(current.to_layout)
-    decision = settings.choose(len(world) + len(joiners), now)
+    try:
+        decision = settings.choose(len(world) + len(joiners), now)
+    except NoLayoutFits:
+        return False
     return decision.config != now
 
 
@@ -357,16 +397,22 @@ def next_generation(
         scalars=dict(scalars or {}), reason=reason,
     )
     n_avail = len(survivors) + len(joiners)
+    checkpoint = GenerationRecord(
+        **common, kind="checkpoint", to_layout=str(old_cfg), world=old_cfg.world_size,
+        assignment=current.assignment, union=tuple(w for w in old_world if w not in dead_set),
+        joining=(), idle=(), planner_ids={}, requested=current.requested,
+    )
     if n_avail == 0:
         # nobody stays: write a checkpoint (leavers still hold everything) and let Slurm
         # requeue the job; a restart resumes from it
-        return GenerationRecord(
-            **common, kind="checkpoint", to_layout=str(old_cfg), world=old_cfg.world_size,
-            assignment=current.assignment,
-            union=tuple(w for w in old_world if w not in dead_set),
-            joining=(), idle=(), planner_ids={}, requested=current.requested,
-        ), None
-    new_cfg, requested, layout_reason = _target(settings, current, request, n_avail, old_cfg)
+        return checkpoint, None
+    try:
+        new_cfg, requested, layout_reason = _target(settings, current, request, n_avail,
+                                                    old_cfg)
+    except NoLayoutFits as exc:
+        # the workers left cannot hold the model: the same whole-run checkpoint; the
+        # restart waits as standby until a layout fits (see transitions.first)
+        return replace(checkpoint, reason=f"{reason}; {STANDBY}: {exc}"), None
     planner_ids = {w: str(r) for r, w in enumerate(old_world)}
     planner_ids.update({w: f"join:{k}" for k, w in enumerate(joiners)})
     union = tuple(w for w in old_world if w not in dead_set) + tuple(joiners)
@@ -393,7 +439,11 @@ def next_generation(
         if rollback is None:
             return replace(record, kind="stop", reason=why), migration
         available = [w for w in union if w not in set(leavers)]
-        start = first_generation(settings, available, rec_nodes, step=int(rollback["step"]))
+        try:
+            start = first_generation(settings, available, rec_nodes,
+                                     step=int(rollback["step"]))
+        except NoLayoutFits as exc:
+            return replace(record, kind="stop", reason=f"{why}; no rollback: {exc}"), migration
         return replace(
             start, generation=current.generation + 1, resume=str(rollback["path"]),
             from_layout=str(old_cfg), old_world=tuple(old_world), leaving=leavers,

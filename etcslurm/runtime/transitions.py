@@ -14,11 +14,12 @@ from dataclasses import replace
 from typing import Any
 
 from etcslurm.coord.coordinator import ACTIVE, JOINING
-from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.layout import NoLayoutFits, ParallelConfig
 from etcslurm.errors import StateLostError, WaitTimeout
 from etcslurm.runtime import checkpointing, generation
-from etcslurm.runtime.config import settled_within
+from etcslurm.runtime.config import device_memory_bytes, settled_within
 from etcslurm.runtime.generation import (
+    STANDBY,
     LayoutSettings,
     check_request,
     first_generation,
@@ -60,6 +61,9 @@ def first(ctx: Context, state: State) -> State:
     live: dict[str, Any] = {}
     defer_to: str | None = None
     wait_s = 0.0
+    # no layout fits the workers here: wait as standby for more (tried again, with every
+    # live worker, whenever one more registers)
+    standby: tuple[int, str] | None = None
     while True:
         if coord.watch(base, timeout=wait_s).generation > base:
             break
@@ -69,11 +73,19 @@ def first(ctx: Context, state: State) -> State:
             live = {w: i for w, i in coord.live_members().items() if i["state"] == JOINING}
             leader = coord.leader()
             defer_to = None if leader in (None, ctx.worker_id) else leader
-            if leader == ctx.worker_id and len(live) >= settings.initial_workers:
-                workers = list(live)[: settings.initial_workers]
+            if (leader == ctx.worker_id and len(live) >= settings.initial_workers
+                    and (standby is None or len(live) > standby[0])):
+                workers = list(live)[: settings.initial_workers if standby is None else None]
                 nodes = {w: str(i.get("node") or "?") for w, i in live.items()}
-                record = replace(first_generation(layout_settings(ctx), workers, nodes),
-                                 generation=base + 1)
+                try:
+                    record = replace(first_generation(layout_settings(ctx), workers, nodes),
+                                     generation=base + 1)
+                except NoLayoutFits as exc:
+                    standby = (len(workers), str(exc))
+                    coord.emit("run.standby", devices=len(workers), reason=str(exc))
+                    log.warning("standby: %s", exc)
+                    wait_s = POLL_S
+                    continue
                 resume = checkpointing.pointer(ctx.options)
                 if resume:
                     record = replace(record, resume=resume["path"],
@@ -83,6 +95,9 @@ def first(ctx: Context, state: State) -> State:
                     wait_s = 0.0
                     continue
         if time.monotonic() > deadline:
+            if standby is not None:
+                raise WaitTimeout(f"run {ctx.options.run_id}: standby for "
+                                  f"{ctx.options.join_timeout:g} s: {standby[1]}")
             raise WaitTimeout(
                 f"run {ctx.options.run_id}: only {len(live)} of {settings.initial_workers} "
                 f"initial workers registered within {ctx.options.join_timeout:g} s"
@@ -292,7 +307,8 @@ def checkpoint(ctx: Context, state: State) -> State:
     ctx.world.barrier()
     if ctx.rank == 0:
         checkpointing.write_pointer(directory, target, record.step, record.from_layout)
-        ctx.coord.emit("run.end", reason="preempted: checkpoint written", step=record.step,
+        why = "standby" if f"; {STANDBY}: " in record.reason else "preempted"
+        ctx.coord.emit("run.end", reason=f"{why}: checkpoint written", step=record.step,
                        checkpoint=str(target))
     ctx.world.barrier()  # latest.json exists before any job is requeued (which ends it)
     checkpointing.requeue_own_job(ctx.coord, ctx.worker_id)
@@ -301,8 +317,9 @@ def checkpoint(ctx: Context, state: State) -> State:
 
 # ---------------------------------------------------------------------- helpers
 def layout_settings(ctx: Context) -> LayoutSettings:
-    """What the layout policy and the planner need of the run settings."""
-    return generation.layout_settings(ctx.settings)
+    """What the layout policy and the planner need of the run settings (device memory:
+    the setting, else this worker's GPU's, else no limit)."""
+    return generation.layout_settings(ctx.settings, device_memory_bytes())
 
 
 def publish_next(ctx: Context, reason: str, extra_dead: tuple[str, ...] = ()) -> None:
@@ -337,6 +354,8 @@ def publish_next(ctx: Context, reason: str, extra_dead: tuple[str, ...] = ()) ->
         coord.take_changes(len(pending))
     if coord.publish_generation(record):
         log.info("published generation %s: %s", record.generation, record.reason)
+        if record.kind == "checkpoint" and f"; {STANDBY}: " in record.reason:
+            coord.emit("run.standby", reason=record.reason.split(f"; {STANDBY}: ", 1)[1])
         if record.kind == "start" and record.resume:  # a rollback (see next_generation)
             coord.emit("run.rollback", step=record.step, lost_steps=ctx.step - record.step,
                        checkpoint=record.resume, reason=record.reason[:200])
