@@ -322,3 +322,15 @@ def test_grace_time_from_partition_or_qos() -> None:
     assert grace.applicable_grace("preempt/qos", 60, None) == (60, "partition")  # no slurmdbd
     assert grace.applicable_grace("preempt/partition_prio", 60, 300) == (60, "partition")
     assert grace.applicable_grace("", None, None) == (0, "unknown")
+
+
+def test_gpu_check_fails_in_one_line_without_a_gpu() -> None:
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], timeout=30).returncode == 0
+    import shutil
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("a GPU machine: run benchmarks/gpu_check.sh itself")
+    res = subprocess.run([str(script)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert res.stderr == "gpu_check: FAIL: no nvidia-smi: not a GPU machine (or no driver)\n"
