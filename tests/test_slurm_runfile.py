@@ -301,8 +301,7 @@ SCONTROL_PARTITION = """PartitionName=elastic
    PriorityJobFactor=1 PriorityTier=1 RootOnly=NO ReqResv=NO OverSubscribe=NO
    OverTimeLimit=NONE PreemptMode=REQUEUE
 """
-SCONTROL_CONFIG = """Configuration data as of 2026-12-03T10:00:00
-AccountingStorageType   = accounting_storage/slurmdbd
+SCONTROL_CONFIG = """AccountingStorageType   = accounting_storage/slurmdbd
 PreemptMode             = REQUEUE
 PreemptType             = preempt/qos
 PreemptExemptTime       = 00:00:00
