@@ -54,6 +54,8 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "afile").write_text("not a directory\n")
     (d / "badjson").mkdir()
     (d / "badjson" / "coordinator.json").write_text("{not json")
+    (d / "ok.toml").write_text('[run]\nmodel = "gpt-tiny"\n[slurm]\naccount = "a"\n')
+    (d / "typo.toml").write_text('[run]\nmodel = "gpt-tiny"\n[slurm]\nacount = "a"\n')
     return d
 
 
@@ -143,6 +145,12 @@ OFFLINE = [
                                   "--dry-run"], USAGE, "key=value"),
     ("submit-missing-field", ["submit", "--template", "elastic", "--dry-run"], USAGE,
      "missing field(s) worker_cmd"),
+    ("submit-runfile-typo", ["submit", "typo.toml", "--dry-run"], USAGE,
+     "[slurm] acount: unknown field; did you mean account?"),
+    ("submit-runfile-missing", ["submit", "nope.toml"], USAGE, "no such run file"),
+    ("submit-runfile-bad-set", ["submit", "ok.toml", "--set", "slurm.nodes=two", "--dry-run"],
+     USAGE, "[slurm] nodes: expected a non-negative integer"),
+    ("grow-runfile-not-started", ["grow", "ok.toml"], COORD, "has no coordinator yet"),
     ("grow-bad-run-id", ["grow", "--run", "bad run id!", "--dry-run", "--redis",
                          "redis://127.0.0.1:1/0"], USAGE, "bad run id"),
     ("grow-bad-het", ["grow", "--run", "r1", "--het", "1x", "--dry-run", "--redis",

@@ -24,13 +24,13 @@ import re
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from etcslurm.cli import main as cli_main
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
 from etcslurm.core.models import GPTSpec
@@ -44,10 +44,24 @@ from tests.helpers import wait_for as _wait_for
 pytestmark = [pytest.mark.slurm, pytest.mark.waits, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 SLURM_TIMER = 30.0  # slurmctld checks signals, time limits and grace times every 30 s
-# The runs use their own preemptable partition with a production-like GraceTime: the lab's
-# debug partition has 10 s, less than one training step takes on 2 heavily shared cores
-# (a signalled worker must first finish its step; measured 10-12 s per step there).
-PARTITION = "elastictest"
+# The runs use a preemptable partition with a production-like GraceTime (`elastic`, the
+# README's): the lab's debug partition has 10 s, less than one training step takes on 2
+# heavily shared cores (a signalled worker must first finish its step; 10-12 s there).
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_slurm() -> tuple[str, list[str]]:
+    """The README's Slurm section: its run file, and its commands (comments dropped)."""
+    text = README.read_text()
+    block = text.split("<!-- slurm-readme:start")[1].split("<!-- slurm-readme:end -->")[0]
+    toml = re.search(r"```toml\n(.*?)```", block, re.S).group(1)
+    bash = re.search(r"```bash\n(.*?)```", block, re.S).group(1)
+    return toml, [ln for ln in bash.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+#: the README's run file names the local cluster's `elastic` partition (the fixture
+#: creates it on a cluster started before sbin/slurm-cluster had it)
+PARTITION = tomllib.loads(readme_slurm()[0])["slurm"]["partition"]
 GRACE = 60.0
 MODEL = "layers=2,hidden=64,heads=4,vocab=512,seq=32"  # smaller than gpt-tiny: 2 cores
 STEPS = 24
@@ -87,11 +101,12 @@ def run_settings(workers: int) -> RunSettings:
 class Run:
     """The run as the coordinator's event stream shows it (read incrementally)."""
 
-    def __init__(self, redis_url: str, run_id: str, initial_workers: int, run_dir: Path) -> None:
+    def __init__(self, redis_url: str, run_id: str, initial_workers: int, run_dir: Path,
+                 store_spec: bool = True) -> None:
         self.run_id, self.run_dir = run_id, run_dir
         self.coord = Coordinator(connect(redis_url), run_id)
-        # the run spec every worker reads (what a template's setup_cmd would store)
-        self.coord.ensure_spec(run_settings(initial_workers).to_json())
+        if store_spec:  # the run spec every worker reads (a run file's job stores its own)
+            self.coord.ensure_spec(run_settings(initial_workers).to_json())
         self.last = "0"
         self.events: list[dict[str, Any]] = []
         self.losses: dict[int, list[float]] = {}
@@ -206,63 +221,86 @@ def reference(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 
 # ---------------------------------------------------------------------------- tests
-def test_sbatch_run_survives_preemption_of_one_node_and_grows(
-        jobs: list[str], tmp_path: Path, redis_url: str, run_id: str,
-        reference: dict[int, float], capsys: pytest.CaptureFixture[str]) -> None:
-    """elastic.sbatch as 4 one-node jobs → a high job preempts one → its worker hands over
-    and exits inside the grace time → 3 ranks → `etcslurm grow --nodes 1` → 4 ranks."""
-    run_dir = tmp_path / "run"
-    run = Run(redis_url, run_id, 4, run_dir)
-    res = submit(WORKER_CMD, run_id=run_id, nodes=4, split=True, redis_url=redis_url,
-                 partition=PARTITION, time_limit="20", folder=tmp_path,
-                 fields={"exclusive": 1, "run_dir": str(run_dir),
-                         "output": str(tmp_path / "elastic-%A_%a.out")})
-    jobs.append(res.job_id)
-    run.wait(lambda: run.step() >= 2, RUN_TIMEOUT / 2, "4 workers training")
-    gen0 = run.world()
-    assert gen0["kind"] == "start" and gen0["world"] == 4
-    victim = max(gen0["assignment"], key=lambda a: a["rank"])
-    info = run.coord.members()[victim["worker"]]
-    t0 = time.time()
-    jobs.append(preempt_node(info["node"], tmp_path))
+def shell(line: str, cwd: Path) -> str:
+    """Run one README line in bash, with this test's Python's ``etcslurm`` first on PATH."""
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    res = subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert res.returncode == 0, f"{line!r} exit {res.returncode}: {res.stderr[-2000:]}"
+    return res.stdout
 
-    signal = run.wait(lambda: next((e for e in run.of("worker.signal")
-                                    if e["worker"] == victim["worker"]), None),
-                      SLURM_TIMER + 120, "the victim's leave signal")["data"]
-    assert signal["signal"] == "USR2"  # the job's --signal, sent on preemption
-    assert signal["received_at"] - t0 <= SLURM_TIMER + 5
-    assert signal["budget_s"] == pytest.approx(GRACE, abs=0.5)  # min(lead 90, grace, end)
-    shrink = run.wait(lambda: next((g for g in run.generations()
-                                    if victim["worker"] in g.get("leaving", [])), None),
-                      300, "the generation without the victim")
-    assert shrink["kind"] == "resize" and shrink["world"] == 3
-    assert victim["worker"] not in [a["worker"] for a in shrink["assignment"]]
 
-    # growth: a further job (it starts on the node the high job frees) whose worker joins
-    # at a later boundary
-    before = run.step()
-    assert cli_main(["grow", "--run", run_id, "--nodes", "1", "--redis", redis_url,
-                     "--worker-cmd", WORKER_CMD, "--time", "20", "--partition", PARTITION,
-                     "--workdir", str(tmp_path), "--set", f"run_dir={run_dir}", "--set", "exclusive=1",
-                     "--set", f"output={tmp_path}/grow-%j.out"]) == 0
-    jobs.append(re.search(r"submitted job (\S+)", capsys.readouterr().out).group(1))
+def test_readme_slurm_section_runs_as_written(
+        jobs: list[str], tmp_path: Path, reference: dict[int, float]) -> None:
+    """The README's run file and commands, as written: 4 one-node jobs start their own
+    coordinator and store the run spec → a high job preempts one → its worker hands over
+    and exits inside the grace time → 3 ranks → `etcslurm grow run.toml --nodes 1` → 4."""
+    toml, commands = readme_slurm()
+    assert len(commands) == 3, commands
+    dry_run, submit_line, grow_line = commands
+    (tmp_path / "run.toml").write_text(toml)
+    run_id = tomllib.loads(toml)["run_id"]
+    run_dir = tmp_path / "runs" / run_id
+    script = shell(dry_run, tmp_path)
+    assert "#SBATCH --array=0-3" in script and f"#SBATCH --partition={PARTITION}" in script
+    job = re.search(r"as job (\d+)", shell(submit_line, tmp_path)).group(1)
+    jobs.append(job)
+    passed = False
+    try:
+        url = wait_for(lambda: (run_dir / "coordinator.url").is_file()
+                       and (run_dir / "coordinator.url").read_text().strip(), RUN_TIMEOUT / 3,
+                       "the run's coordinator URL (array task 0 starts it)")
+        run = Run(url, run_id, 4, run_dir, store_spec=False)
+        # what the job stored is the spec the reference trained (README = these constants)
+        assert run.wait(run.coord.run_spec, 60, "the run spec") == run_settings(4).to_json()
+        run.wait(lambda: run.step() >= 2, RUN_TIMEOUT / 2, "4 workers training")
+        gen0 = run.world()
+        assert gen0["kind"] == "start" and gen0["world"] == 4
+        members = run.coord.members()
+        # array task 3: its node hosts no coordinator site (tasks 0-2 do)
+        victim = next(w for w, i in members.items() if int(i["slurm_array_task"]) == 3)
+        info = members[victim]
+        t0 = time.time()
+        jobs.append(preempt_node(info["node"], tmp_path))
 
-    gone = run.wait(lambda: run.gone_at(victim["worker"]), 120, "the victim to leave")
-    assert gone - signal["received_at"] <= GRACE, "the victim left after the grace time"
-    # it exited by itself: its job COMPLETED (not killed by Slurm, not requeued)
-    wait_for(lambda: job_state(info["slurm_job"]) == "COMPLETED", 60, "the victim's job to end")
-    grown = run.wait(lambda: next((g for g in run.generations()
-                                   if g["kind"] == "resize" and g.get("joining")), None),
-                     RUN_TIMEOUT / 2, "the joiner to be taken in")
-    assert grown["kind"] == "resize" and grown["world"] == 4 and len(grown["joining"]) == 1
-    run.wait(run.finished, RUN_TIMEOUT, "the run to finish")
+        signal = run.wait(lambda: next((e for e in run.of("worker.signal")
+                                        if e["worker"] == victim), None),
+                          SLURM_TIMER + 120, "the victim's leave signal")["data"]
+        assert signal["signal"] == "USR2"  # the job's --signal, sent on preemption
+        assert signal["received_at"] - t0 <= SLURM_TIMER + 5
+        # min(lead 90, the partition's GraceTime as etcslurm.job.grace read it, end)
+        assert signal["budget_s"] == pytest.approx(GRACE, abs=0.5)
+        shrink = run.wait(lambda: next((g for g in run.generations()
+                                        if victim in g.get("leaving", [])), None),
+                          300, "the generation without the victim")
+        assert shrink["kind"] == "resize" and shrink["world"] == 3
+        assert victim not in [a["worker"] for a in shrink["assignment"]]
+
+        # growth: a further job (it starts on the node the high job frees)
+        before = run.step()
+        jobs.append(re.search(r"submitted job (\S+)", shell(grow_line, tmp_path)).group(1))
+        gone = run.wait(lambda: run.gone_at(victim), 120, "the victim to leave")
+        assert gone - signal["received_at"] <= GRACE, "the victim left after the grace time"
+        # it exited by itself: its job COMPLETED (not killed by Slurm, not requeued)
+        wait_for(lambda: job_state(info["slurm_job"]) == "COMPLETED", 60, "the victim's job to end")
+        grown = run.wait(lambda: next((g for g in run.generations()
+                                       if g["kind"] == "resize" and g.get("joining")), None),
+                         RUN_TIMEOUT / 2, "the joiner to be taken in")
+        assert grown["world"] == 4 and len(grown["joining"]) == 1
+        run.wait(run.finished, RUN_TIMEOUT, "the run to finish")
+        passed = True
+    finally:
+        if not passed:
+            for out in sorted(run_dir.glob("*.out")):
+                print(f"---- {out.name}\n{out.read_text()[-3000:]}")
+            _stop_sites(run_dir / f"coordinator-{job}", jobs)
     assert before < grown["step"] < STEPS, "the grown generation trained"
     diff = check_losses(run, reference)
     dp = check_data_once(run_dir)
     assert {dp[s] for s in range(STEPS)} >= {3, 4}, f"DP degrees per step: {dp}"
     assert len(run.of("migration.done")) == 2
     print(f"max |loss - reference| = {diff:.3g}; leave took {gone - signal['received_at']:.1f} s")
-    run.close()
+    run.coord.client.close()  # the run's coordinator went with its jobs: nothing to end
 
 
 def test_submitit_run_grows_and_survives_preemption(

@@ -32,15 +32,27 @@ import torch
 import torch.distributed as dist
 
 from etcslurm.errors import MigrationError, WaitTimeout
+from etcslurm.groups.devices import local_device_index
 
 _TEARDOWN_HOOKS: list[Callable[[], None]] = []
 _CURRENT: dict[str, int | str] = {}
 _FROZEN: list[bool] = []  # non-empty once freeze_long_lived() ran
+_GPU: list[int] = []  # this process's CUDA device index, once chosen
 
 
 def default_backend() -> str:
     """NCCL on a GPU machine, gloo on CPU -- the same code path otherwise."""
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def use_local_gpu(rank: int) -> torch.device:
+    """Make this task's GPU the current CUDA device, once per process (see
+    :mod:`etcslurm.groups.devices`: device 0 when Slurm shows the task one GPU, its
+    node-local rank otherwise; ``rank`` only outside Slurm and torchrun)."""
+    if not _GPU:
+        _GPU.append(local_device_index(os.environ, torch.cuda.device_count(), rank))
+        torch.cuda.set_device(_GPU[0])
+    return torch.device("cuda", _GPU[0])
 
 
 def register_teardown_hook(hook: Callable[[], None]) -> None:
@@ -149,10 +161,7 @@ def configure(
     prefix = dist.PrefixStore(f"gen{generation}", store)
     kwargs = {}
     if backend == "nccl":
-        # one GPU per process: LOCAL_RANK (torchrun) / SLURM_LOCALID (srun), else rank mod GPUs
-        local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID")
-        torch.cuda.set_device(int(local) if local else rank % torch.cuda.device_count())
-        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        kwargs["device_id"] = use_local_gpu(rank)
     t0 = time.monotonic()
     try:
         dist.init_process_group(
@@ -208,10 +217,11 @@ def exchange_group(
     t0 = time.monotonic()
     try:
         if backend == "nccl":
+            gpu = use_local_gpu(rank)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = wait
             pg = dist.ProcessGroupNCCL(prefix, rank, size, options)
-            probe = torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()))
+            probe = torch.ones(1, device=gpu)
         else:
             pg = dist.ProcessGroupGloo(prefix, rank, size, wait)
             probe = torch.ones(1)

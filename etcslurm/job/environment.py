@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from etcslurm.errors import EtcslurmError, UsageError
+from etcslurm.groups.devices import local_device_index
 
 # ---- the environment contract between the launchers (templates, submission) and workers
 ENV_RUN = "ETCSLURM_RUN"  # run namespace in the coordinator (what the runtime's worker reads)
@@ -282,18 +283,17 @@ class SlurmEnvironment:
         return f"{job}.{self.proc_id}"
 
     def device(self, num_devices: int | None = None) -> str:
-        """The torch device string for this task: ``cuda:<local_id mod devices>`` or ``cpu``.
+        """The torch device string for this task: ``cuda:<index>`` or ``cpu``.
 
-        With ``--gpus-per-task`` Slurm already narrows ``CUDA_VISIBLE_DEVICES`` to this task,
-        so its one device is ``cuda:0``; otherwise tasks on a node share the visible GPUs.
-        ``num_devices`` is the number of visible GPUs (``torch.cuda.device_count()``);
-        passing it keeps this module free of torch.
+        ``num_devices`` is the number of GPUs this task sees (``torch.cuda.device_count()``;
+        passing it keeps this module free of torch).  With ``--gpus-per-task=1`` Slurm shows
+        each task only its own GPU (``cuda:0``); with ``--gpus-per-node`` / ``--gres`` all
+        tasks of a node see all of them (``cuda:<local id mod N>``): see
+        :func:`etcslurm.groups.devices.local_device_index`.
         """
         if not num_devices:
             return "cpu"
-        if self.gpus_per_task:
-            return "cuda:0"
-        return f"cuda:{self.local_id % num_devices}"
+        return f"cuda:{local_device_index(self.raw, num_devices, self.proc_id)}"
 
     def seconds_left(self, now: float | None = None) -> float | None:
         """Seconds until the job's end time (None if unknown, e.g. no time limit)."""

@@ -4,8 +4,9 @@ Why: megatron-core hard-codes CUDA in a few places that our CPU + gloo tests and
 benchmarks reach (``torch.cuda.current_device()``, ``device='cuda'`` factories,
 ``p.type() == 'torch.cuda.FloatTensor'`` in the optimizers and grad clipping, CUDA RNG
 helpers, streams and events).  This module patches exactly those and nothing else, and
-only when no CUDA device is present: on a GPU machine :func:`install_if_needed` does
-nothing, so the same adapter code runs unchanged with NCCL.
+only when no CUDA device is present and none was allocated: on a GPU machine
+:func:`install_if_needed` does nothing, so the same adapter code runs unchanged with NCCL,
+and a GPU job whose torch cannot use its GPUs is refused (:func:`needed`).
 
 Two pieces:
 
@@ -23,11 +24,15 @@ Two pieces:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from etcslurm.errors import UsageError
+from etcslurm.groups.devices import cpu_torch_problem
 
 _CPU = torch.device("cpu")
 _MODE: CudaToCpuMode | None = None
@@ -118,8 +123,15 @@ class _NullStream:
 
 
 def needed() -> bool:
-    """True when there is no usable CUDA device (then the shim must be installed)."""
-    return not torch.cuda.is_available()
+    """True when there is no usable CUDA device and none was allocated (then the shim
+    must be installed); a job given GPUs that this torch cannot use is refused in one
+    line instead of training on the CPU unnoticed (``ETCSLURM_DEVICE=cpu``: on purpose)."""
+    if torch.cuda.is_available():
+        return False
+    problem = cpu_torch_problem(os.environ, False, torch.version.cuda, torch.__version__)
+    if problem:
+        raise UsageError(problem)
+    return True
 
 
 def installed() -> bool:

@@ -36,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
                    default=float(env("ETCSLURM_COLLECTIVE_TIMEOUT", "10")))
     p.add_argument("--join-timeout", type=float, default=float(env("ETCSLURM_JOIN_TIMEOUT", "600")))
     p.add_argument("--checkpoint-dir", default=env("ETCSLURM_CHECKPOINT_DIR"))
+    p.add_argument("--builder", default=env("ETCSLURM_BUILDER"), metavar="MODULE:FUNCTION",
+                   help="the model builder to import (default: etcslurm's GPT of the run's "
+                        "model; env ETCSLURM_BUILDER)")
     p.add_argument("--min-step-seconds", type=float,
                    default=float(env("ETCSLURM_MIN_STEP_SECONDS", "0") or 0),
                    help="make each step last at least this long (demos: joiners get time "
@@ -79,14 +82,45 @@ def config_from_args(args: argparse.Namespace) -> tuple[RunSettings, WorkerOptio
     return RunSettings.from_json(spec), options
 
 
+def gpu_problem() -> str | None:
+    """One line when this task was given GPUs that its torch cannot use (a CPU build on
+    a GPU node would otherwise train on the CPU unnoticed), else None."""
+    import torch
+
+    from etcslurm.groups.devices import cpu_torch_problem
+
+    return cpu_torch_problem(os.environ, torch.cuda.is_available(), torch.version.cuda,
+                             torch.__version__)
+
+
+def import_builder(target: str) -> Builder:
+    """``module:function`` → the builder it names (a one-line error otherwise)."""
+    import importlib
+
+    module, _, name = target.partition(":")
+    if not module or not name:
+        raise UsageError(f"--builder expects module:function, got {target!r}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise UsageError(f"cannot import the builder {target!r}: {exc}") from None
+
+
 def main(argv: list[str] | None = None, hooks: Hooks | None = None,
          build: Builder | None = None) -> int:
-    """Run one worker; ``build``: the model builder (default: etcslurm's GPT of the run's
-    model), ``hooks``: test injection points (``etcslurm.testing.worker``)."""
+    """Run one worker; ``build``: the model builder (default: ``--builder``, else
+    etcslurm's GPT of the run's model), ``hooks``: test injection points
+    (``etcslurm.testing.worker``)."""
     logging.basicConfig(level=os.environ.get("ETCSLURM_LOG", "WARNING"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parser().parse_args(argv)
+    problem = gpu_problem()  # before connecting to anything
+    if problem:
+        sys.stderr.write(f"etcslurm worker: {problem}\n")
+        return UsageError.exit_code
     try:
+        if build is None and args.builder:
+            build = import_builder(args.builder)
         settings, options = config_from_args(args)
     except EtcslurmError as exc:
         sys.stderr.write(f"etcslurm worker: {exc}\n")

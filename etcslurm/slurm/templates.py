@@ -1,14 +1,22 @@
-"""sbatch templates with declared, typed fields: ``templates/elastic.sbatch``, ``grow.sbatch``.
+"""sbatch templates with declared, typed fields: ``elastic.sbatch``, ``grow.sbatch``.
 
-Types: ``int``, ``bool`` (1/0), ``name`` (``[A-Za-z0-9._:+%,/-]``), ``url``/``path`` (no
-spaces, quotes, ``$``), ``signal`` (checked by :func:`parse_signal`: never USR1), ``text``
-(one line, no single quote: used inside ``'...'``) and ``cmd`` (one line, inserted as shell
-words: the worker command).  A template declares its fields in header lines ``##@ name:type=default  help`` (no ``=``:
-required) and uses them as ``{{name}}``.  Rendering checks every value against its type
-(so nothing unexpected reaches the shell or an ``#SBATCH`` line) and reports unknown or
-missing fields in one line listing the valid ones.  An ``#SBATCH`` line whose field is
-empty (or a false bool) is dropped, so optional options (GPUs, partition, array) need no
-conditionals in the template.  Why not Jinja: one more dependency for three features.
+The templates are package data (``etcslurm/slurm/templates/``, read with
+``importlib.resources``, so a wheel install can submit; the checkout's top-level
+``templates/`` is a link to that directory).  ``$ETCSLURM_TEMPLATES`` points elsewhere.
+
+Types: ``int``, ``bool`` (1/0), ``name`` (``[A-Za-z0-9._:+%,/-]``), ``word`` (one token
+without spaces, quotes, ``$`` or backslashes: ``#SBATCH`` values such as ``h100&ib``),
+``url``/``path`` (no spaces, quotes, ``$``), ``signal`` (checked by :func:`parse_signal`:
+never USR1), ``text`` (one line, no single quote: used inside ``'...'``), ``cmd`` (one
+line, inserted as shell words: the worker command) and ``lines`` (a list, or text with one
+item per line: the line holding the placeholder is repeated once per item, and dropped
+when there is none).  A template declares its fields in header lines
+``##@ name:type=default  help`` (no ``=``: required) and uses them as ``{{name}}``.
+Rendering checks every value against its type (so nothing unexpected reaches the shell or
+an ``#SBATCH`` line) and reports unknown or missing fields in one line listing the valid
+ones.  An ``#SBATCH`` line whose field is empty (or a false bool) is dropped, so optional
+options (GPUs, partition, array) need no conditionals in the template.  Why not Jinja: one
+more dependency for three features.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from etcslurm.errors import UsageError
@@ -25,22 +35,24 @@ from etcslurm.job.signals import parse_signal
 
 _FIELD_RE = re.compile(r"^##@\s+(\w+):(\w+)(?:=(\S*))?(?:\s+(.*))?$")
 _PLACEHOLDER_RE = re.compile(r"\{\{\s*(\w+)\s*\}\}")
-_TYPES = ("name", "int", "cmd", "text", "url", "path", "signal", "bool")
+_TYPES = ("name", "word", "int", "cmd", "text", "url", "path", "signal", "bool", "lines")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-def templates_dir() -> Path:
-    """Where named templates live: ``$ETCSLURM_TEMPLATES`` or ``templates/`` of the checkout."""
+def templates_dir() -> Traversable:
+    """Where named templates live: ``$ETCSLURM_TEMPLATES`` or the package's ``templates/``."""
     env = os.environ.get("ETCSLURM_TEMPLATES")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "templates"
+    return resources.files("etcslurm.slurm") / "templates"
 
 
 def available_templates() -> list[str]:
     d = templates_dir()
-    return sorted(p.stem for p in d.glob("*.sbatch")) if d.is_dir() else []
+    if not d.is_dir():
+        return []
+    return sorted(p.name.removesuffix(".sbatch") for p in d.iterdir() if p.name.endswith(".sbatch"))
 
 
 @dataclass(frozen=True)
@@ -74,8 +86,8 @@ class Template:
 
 def load_template(name_or_path: str) -> Template:
     """A named template (``elastic``) from :func:`templates_dir`, or a path to a file."""
-    path = Path(name_or_path)
-    if not (path.suffix == ".sbatch" or os.sep in name_or_path) or not path.is_file():
+    path: Traversable = Path(name_or_path)
+    if not (name_or_path.endswith(".sbatch") or os.sep in name_or_path) or not path.is_file():
         path = templates_dir() / f"{name_or_path}.sbatch"
     if not path.is_file():
         raise UsageError(
@@ -97,13 +109,21 @@ def load_template(name_or_path: str) -> Template:
     used = set(_PLACEHOLDER_RE.findall(text))
     if used - declared:
         raise UsageError(f"template {path}: undeclared fields {', '.join(sorted(used - declared))}")
-    return Template(path.stem, text, tuple(fields))
+    return Template(path.name.removesuffix(".sbatch"), text, tuple(fields))
 
 
 def _check(template: Template, field: Field, value: object) -> tuple[str, bool]:
     """Validate one value; returns (text to insert, present?)."""
-    text = str(value).strip() if value is not None else ""
     bad = f"field {field.name} of template {template.name!r}"
+    if field.type == "lines":
+        items = [str(v) for v in value] if isinstance(value, list | tuple) else (
+            str(value or "").splitlines())
+        items = [item.rstrip() for item in items if item.strip()]
+        for item in items:
+            if "\n" in item or "\r" in item or item.strip().startswith("ETCSLURM_"):
+                raise UsageError(f"{bad}: one line per item (not starting with ETCSLURM_), got {item!r}")
+        return "\n".join(items), bool(items)
+    text = str(value).strip() if value is not None else ""
     if field.type == "bool":
         low = text.lower()
         if low not in _TRUE | _FALSE:
@@ -117,6 +137,9 @@ def _check(template: Template, field: Field, value: object) -> tuple[str, bool]:
     elif field.type == "name":
         if not re.fullmatch(r"[A-Za-z0-9._:+%,/-]+", text):
             raise UsageError(f"{bad}: only letters, digits and ._:+%,/- allowed, got {text!r}")
+    elif field.type == "word":
+        if re.search(r"[\s'\"`$\\]", text):
+            raise UsageError(f"{bad}: one word without spaces, quotes, $ or backslashes, got {text!r}")
     elif field.type in ("url", "path"):
         if re.search(r"[\s'\"`$\\]", text):
             raise UsageError(f"{bad}: no spaces, quotes, $ or backslashes allowed, got {text!r}")
@@ -127,6 +150,16 @@ def _check(template: Template, field: Field, value: object) -> tuple[str, bool]:
     elif field.type == "text" and re.search(r"[\n\r']", text):
         raise UsageError(f"{bad}: one line without single quotes expected, got {text!r}")
     return text, True
+
+
+def check_value(template: Template, name: str, value: object) -> str | None:
+    """``name: what is wrong`` when ``value`` does not fit field ``name``, else None."""
+    field = next(f for f in template.fields if f.name == name)
+    try:
+        _check(template, field, value)
+    except UsageError as exc:
+        return f"{name}: {str(exc).split(': ', 1)[1]}"
+    return None
 
 
 def resolve_fields(template: Template, values: Mapping[str, object]) -> dict[str, tuple[str, bool]]:
@@ -151,22 +184,27 @@ def resolve_fields(template: Template, values: Mapping[str, object]) -> dict[str
     return out
 
 
-def _substitute(text: str, resolved: Mapping[str, tuple[str, bool]]) -> str:
+def _substitute(template: Template, resolved: Mapping[str, tuple[str, bool]]) -> str:
+    multi = {f.name for f in template.fields if f.type == "lines"}
     lines = []
-    for line in text.splitlines():
+    for line in template.text.splitlines():
         if line.startswith("##@"):
             continue
         names = _PLACEHOLDER_RE.findall(line)
         if line.startswith("#SBATCH") and any(not resolved[n][1] for n in names):
             continue  # optional option not set (or a false bool)
-        lines.append(_PLACEHOLDER_RE.sub(lambda m: resolved[m.group(1)][0], line))
+        listed = [n for n in names if n in multi]
+        items = resolved[listed[0]][0].splitlines() if listed else [None]
+        for item in items:  # a `lines` field: the line once per item
+            lines.append(_PLACEHOLDER_RE.sub(
+                lambda m, item=item: item if m.group(1) in multi else resolved[m.group(1)][0], line))
     return "\n".join(lines) + "\n"
 
 
 def render(template: str | Template, values: Mapping[str, object] | None = None) -> str:
     """Render a template with ``values`` (strings or numbers) into an sbatch script."""
     tpl = template if isinstance(template, Template) else load_template(template)
-    return _substitute(tpl.text, resolve_fields(tpl, dict(values or {})))
+    return _substitute(tpl, resolve_fields(tpl, dict(values or {})))
 
 
 def render_het(
