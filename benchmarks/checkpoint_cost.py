@@ -76,7 +76,7 @@ def loop(args: argparse.Namespace, rank: int, every: int, run_id: str,
                             run_dir=str(run_dir))
     times: list[float] = []
     losses: list[float] = []
-    held: dict[str, float] = {"start": 0.0, "poll": 0.0, "finish": 0.0}
+    held: dict[str, float] = {"begin": 0.0, "poll": 0.0, "finish": 0.0}
     saves: list[int] = []
     depth = [0]  # start() calls finish(), which calls poll(): time the outermost call only
     i = 0
@@ -91,7 +91,7 @@ def loop(args: argparse.Namespace, rank: int, every: int, run_id: str,
                 depth[0] -= 1
                 if i < args.steps and depth[0] == 0:
                     held[name] += time.perf_counter() - t0
-                if name == "start" and i < args.steps:
+                if name == "begin" and i < args.steps:
                     saves.append(i + 1)
         return run
 
@@ -106,7 +106,7 @@ def loop(args: argparse.Namespace, rank: int, every: int, run_id: str,
             session.ctx.world.save_async(session.trainee, run_dir / "writer-warmup")
             session.ctx.world.checkpoint_poll(True)
             startup_s = time.perf_counter() - t0
-            periodic.start = timed(periodic.start, "start")
+            periodic.begin = timed(periodic.begin, "begin")
             periodic.poll = timed(periodic.poll, "poll")
             periodic.finish = timed(periodic.finish, "finish")
         while not session.finished:
@@ -118,9 +118,9 @@ def loop(args: argparse.Namespace, rank: int, every: int, run_id: str,
                 times.append(time.perf_counter() - t0)
                 losses.append(loss)
             i += 1
-        reports = len(session.reports)
-    if reports != 1:
-        raise RuntimeError(f"the world changed during the loop ({reports} reports)")
+        generation = session.generation
+    if generation != 0:
+        raise RuntimeError(f"the world changed during the loop (generation {generation})")
     done = sorted(p.name for p in (run_dir / "checkpoint" / "periodic").glob("step*"))
     return {"step_s": times, "losses": losses, "held_s": held, "saves_at": saves,
             "kept": done, "writer_startup_s": startup_s}
@@ -160,7 +160,7 @@ def summarize(ranks: list[dict[str, Any]], every: int) -> dict[str, Any]:
     rounds = ranks[0]["rounds"]
     saves = sum(len(r["on"]["saves_at"]) for r in rounds)
     held = {k: max(sum(r["on"]["held_s"][k] for r in rk["rounds"]) for rk in ranks)
-            for k in ("start", "poll", "finish")}
+            for k in ("begin", "poll", "finish")}
     total_held = sum(held.values())
     off, on = out["off"], out["on"]
     extra = on["mean_s"] * on["steps"] - off["mean_s"] * off["steps"]

@@ -9,7 +9,7 @@ until the slowest worker is done:
 
 * ``announce``: the k leavers announce, as ``Boundary.announce_leaving`` does
   (``worker.signal`` event, ``Coordinator.leave``: state ``leaving`` + a drain request).
-* ``boundary poll``: rank 0's poll, as ``ElasticSession._leader_sees_change`` does
+* ``boundary poll``: rank 0's poll, as ``runtime.steps._leader_sees_change`` does
   (``Boundary.world_view`` + ``pending_request`` + ``worth_changing``).
 * ``decide``: ``transitions.decide`` on every worker at once, as the runtime runs it after
   the boundary's all-reduce agreed on the decider (the lowest rank that stays): the decider
@@ -71,7 +71,7 @@ from etcslurm.runtime import transitions
 from etcslurm.runtime.boundary import Boundary
 from etcslurm.runtime.config import RunSettings, WorkerOptions
 from etcslurm.runtime.generation import first_generation, worth_changing
-from etcslurm.runtime.machine import Phase, State
+from etcslurm.runtime.machine import Phase, State, settle
 
 PHASES = ("announce", "boundary poll", "decide (publish; every worker gets the record)",
           "form new world", "form exchange group", "enter + commit")
@@ -340,7 +340,7 @@ class Simulation:
         rec = ctx.new_record
         rank = rec.rank_of(ctx.worker_id)
         if rank is None:  # a leaver: wait for the commit as the runtime does
-            state = transitions.handed_over(ctx, State(Phase.HANDED_OVER, record=rec))
+            state = settle(ctx, transitions.handed_over, State(Phase.HANDED_OVER, record=rec))
             assert state.phase is Phase.LEFT, state
             self._mark("last leaver released @", time.perf_counter())
             return

@@ -276,6 +276,54 @@ def test_redis_restart_mid_run(outage: float, redis_url: str,
     assert row.recover_s is not None
 
 
+def _logs(tmp_path: Path) -> dict[str, str]:
+    return {p.name: p.read_text(errors="replace") for p in sorted(tmp_path.glob("worker-*.log"))}
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_a_bug_in_the_step_ends_every_worker_with_its_traceback(redis_url: str,
+                                                                 tmp_path: Path) -> None:
+    """Not a peer failure: no recovery, no retry, every worker exits 1 with the user's
+    traceback and one etcslurm line, within the collective timeout of the error."""
+    row = fm.step_error_everywhere(redis_url, None, tmp_path, STEPS, None)
+    res = row.result
+    assert row.error is not None and "exited with code 1" in row.error, row.error
+    logs = _logs(tmp_path)
+    assert len(logs) == 3
+    for name, text in logs.items():
+        assert "ValueError: injected: a bug in the training step at step 3" in text, name
+        ours = [ln for ln in text.splitlines() if ln.startswith("etcslurm worker")]
+        assert len(ours) == 1 and "raised ValueError (not a failure of a peer)" in ours[0], name
+        assert "recovering" not in text, name
+    assert not [e for e in row.events if e["type"] == "error"
+                and "collective failed" in e["data"].get("message", "")]
+    assert [r["kind"] for r in row.records.values()] == ["start"]
+    errors = [e["ts"] for e in row.events if e["type"] == "step" and e["data"]["step"] == 3]
+    gone = [e["ts"] for e in row.events if e["type"] == "worker.state"
+            and e["data"].get("state") == "gone"]
+    if errors and gone:  # every worker left within the collective timeout of the step
+        assert max(gone) - errors[0] < fm.COLLECTIVE_TIMEOUT, (errors, gone)
+    assert res is None or pids_alive(res.pids) == []
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_out_of_memory_on_one_rank_ends_that_worker_and_the_run_goes_on(
+        redis_url: str, reference: Any, tmp_path: Path) -> None:
+    row = _measured(fm.oom_on_one_rank(redis_url, None, tmp_path, STEPS, None), reference)
+    res = row.result
+    assert res is not None and sorted(res.losses) == list(range(1, STEPS + 1)), row.error
+    assert row.max_loss_diff is not None and row.max_loss_diff <= LOSS_TOLERANCE
+    failed = [w for w, code in res.exit_codes.items() if code != 0]
+    assert len(failed) == 1 and res.exit_codes[failed[0]] == 1, res.exit_codes
+    gens = [row.records[g] for g in sorted(row.records)]
+    assert gens[-1]["world"] == 2 and failed[0] not in gens[-1]["union"], gens[-1]
+    oom = [t for t in _logs(tmp_path).values() if "OutOfMemoryError: injected" in t]
+    assert len(oom) == 1 and "raised OutOfMemoryError (not a failure of a peer)" in oom[0]
+    assert pids_alive(res.pids) == []
+
+
 @pytest.mark.slow
 @pytest.mark.redis
 def test_pieces_without_a_surviving_holder_stop_with_exit_5(redis_url: str, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,37 +78,36 @@ def test_tp_grows_by_itself_with_joiners_then_by_an_operator_request(
 
     A global batch of 2 keeps DP at 2: two workers start in tp1pp1dp2, and when two more
     join the layout policy grows TP by itself (tp2pp1dp2); then ``etcslurm resize --to
-    tp4pp1dp1`` grows it again at the next step boundary.  The losses equal a run that
-    never resized, within what a TP change allows (reduction order)."""
+    tp4pp1dp1`` grows it again at a later step boundary.  The losses equal a run that
+    never resized, within what a TP change allows (reduction order).  The run holds at
+    step 2 until the joiners have registered (no pacing for their start-up)."""
     import subprocess
     import sys
-    import threading
-    import time
 
-    from etcslurm.coord.client import connect
-    from etcslurm.coord.coordinator import Coordinator
+    from etcslurm.testing import fault_scenarios as fm
 
-    steps = 30
-    opts = DemoOptions(workers=2, steps=steps, schedule="2:join=2", redis=redis_url,
+    steps = 14
+    opts = DemoOptions(workers=2, steps=steps, schedule="1:join=2", redis=redis_url,
                        run_id=run_id, run_dir=str(tmp_path), global_batch=2,
-                       gpus_per_node=4, keep_keys_s=5, min_step_seconds=1.5)
-    box: dict[str, object] = {}
-    runner = threading.Thread(target=lambda: box.update(result=run_demo(opts)), daemon=True)
-    runner.start()
-    coord = Coordinator(connect(redis_url), run_id)
-    last, grown, deadline = "0", False, time.monotonic() + 600
-    while not grown and time.monotonic() < deadline and runner.is_alive():
-        for ev in coord.read_events(last, block_ms=500):
-            last = ev["id"]
-            grown = grown or (ev["type"] == "generation.start"
-                              and ev["data"].get("to") == "tp2pp1dp2")
-    assert grown, "the joiners did not grow TP"
-    proc = subprocess.run([sys.executable, "-m", "etcslurm", "resize", "--run", run_id,
-                           "--redis", redis_url, "--to", "tp4pp1dp1", "--json"],
-                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr
-    runner.join(timeout=900)
-    result = box["result"]
+                       gpus_per_node=4, keep_keys_s=5, min_step_seconds=0.5,
+                       **fm.faults(hold={"step": 2, "file": str(tmp_path / "go"),
+                                         "timeout": 240.0}))
+    asked: list[subprocess.Popen] = []
+
+    def tick(run: Any) -> None:
+        if len(run.by_worker) >= 4:
+            (tmp_path / "go").touch()
+        if not asked and run.record is not None and run.record.to_layout == "tp2pp1dp2":
+            asked.append(subprocess.Popen(
+                [sys.executable, "-m", "etcslurm", "resize", "--run", run_id, "--redis",
+                 redis_url, "--to", "tp4pp1dp1", "--json"], stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True))
+
+    result = run_demo(opts, on_tick=tick)
+    assert asked, "the joiners did not grow TP"
+    out, err = asked[0].communicate(timeout=60)
+    assert asked[0].returncode == 0, err
+    assert json.loads(out)["request"]["to"] == "tp4pp1dp1"
     gens = result.generations
     assert [g["to"] for g in gens] == ["tp1pp1dp2", "tp2pp1dp2", "tp4pp1dp1"], gens
     assert steps - gens[2]["step"] >= 3, "at least three steps after the last change"

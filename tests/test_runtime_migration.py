@@ -11,7 +11,7 @@ import pytest
 
 from etcslurm.core.planner import MigrationPlan
 from etcslurm.core.state import Piece
-from etcslurm.runtime.migration import _split_fill
+from etcslurm.runtime.plans import _split_fill
 
 EMB = "embedding.word_embeddings.weight"
 
@@ -40,7 +40,7 @@ def test_the_analytic_plan_fills_new_vocab_rows_and_refuses_a_lost_piece() -> No
     nothing lost) and is refused, naming it; the totals reported are the decider's."""
     from etcslurm.core.planner import PlanInputs
     from etcslurm.errors import MigrationError
-    from etcslurm.runtime.migration import analytic_plan
+    from etcslurm.runtime.plans import analytic_plan
 
     held = [Piece(EMB, ((0, 1024), (0, 8)), "float32")]
     grown = [Piece(EMB, ((0, 1152), (0, 8)), "float32")]

@@ -21,7 +21,7 @@ from etcslurm.coord.records import ChangeRequest, GenerationRecord
 from etcslurm.errors import StateLostError, WaitTimeout
 from etcslurm.runtime import recovery, transitions
 from etcslurm.runtime.generation import end_generation
-from etcslurm.runtime.machine import Phase, State, drive
+from etcslurm.runtime.machine import Phase, State, drive, settle
 from etcslurm.runtime.session import TRANSITIONS
 from tests.fakes import FakeCoordinator, FakeTrainee, context, member
 
@@ -69,7 +69,7 @@ def test_too_few_initial_workers_time_out_with_a_named_wait() -> None:
     coord = FakeCoordinator({"w1": member("joining")})
     ctx = context("w1", coord, initial=3, join_timeout=0.2)
     with pytest.raises(Exception, match=r"only 1 of 3 initial workers registered within 0.2 s"):
-        transitions.first(ctx, State(Phase.FIRST))
+        settle(ctx, transitions.first, State(Phase.FIRST))
 
 
 def test_a_leaver_hands_over_and_the_survivor_commits() -> None:
@@ -137,7 +137,7 @@ def test_the_analytic_plan_is_the_decider_s_own_part() -> None:
 
     from etcslurm.core.planner import plan
     from etcslurm.runtime.generation import plan_inputs
-    from etcslurm.runtime.jobs import plan_analytically
+    from etcslurm.runtime.plans import plan_analytically
 
     coord, gen0 = _running(["w1", "w2", "w3", "w4"])
     coord.changes.append(ChangeRequest(to="tp2pp1dp2", drain=(), by="operator", ts=0.0))
@@ -162,7 +162,7 @@ def test_recover_publishes_a_generation_without_the_dead_and_follows_it() -> Non
     coord, gen0 = _running(["w1", "w2", "w3", "w4"])
     coord.workers["w3"]["alive"] = False
     ctx = _member_of(coord, gen0, "w1")
-    nxt = recovery.recover(ctx, State(Phase.RECOVER, error=RuntimeError("peer closed")))
+    nxt = settle(ctx, recovery.recover, State(Phase.RECOVER, error=RuntimeError("peer closed")))
     assert nxt.phase is Phase.FOLLOW
     assert nxt.record.dead == ("w3",) and "w3" not in nxt.record.union
     assert coord.gone == ["w3"] and "error" in coord.event_types()
@@ -215,7 +215,7 @@ def test_recover_waits_for_a_decider_still_inside_a_failed_rendezvous(
     decided = replace(gen0, generation=2, kind="resize", union=("w1", "w2", "w3"),
                       dead=("w4",))
     clock.at.append((50.5, lambda: coord.publish_generation(decided)))
-    nxt = recovery.recover(ctx, state)
+    nxt = settle(ctx, recovery.recover, state)
     assert nxt == State(Phase.FOLLOW, record=decided)
     assert clock.now >= 50.5 and coord.gone == []  # it waited; only the decider decides
 
@@ -225,7 +225,7 @@ def test_recover_gives_up_on_a_decider_that_never_publishes_and_names_it(
     coord, _, ctx, clock, state = _follower_of_a_slow_decider(monkeypatch)
     published = len(coord.records)
     with pytest.raises(WaitTimeout, match=r"within 130 s \(w4 found dead, w1 was to publish it\)"):
-        recovery.recover(ctx, state)
+        settle(ctx, recovery.recover, state)
     # dead_after x 2 + collective timeout + twice the notice (the decider's own, then
     # its wait for the others to come back)
     assert 130 <= clock.now < 131
@@ -245,7 +245,7 @@ def test_the_publisher_waits_for_members_still_inside_the_failed_rendezvous(
         monkeypatch: pytest.MonkeyPatch) -> None:
     coord, ctx, clock, state = _decider_with_a_member_still_in_the_rendezvous(monkeypatch)
     clock.at.append((40.0, lambda: coord.held.update(w2=1)))  # w2's rendezvous fails
-    nxt = recovery.recover(ctx, state)
+    nxt = settle(ctx, recovery.recover, state)
     assert nxt.phase is Phase.FOLLOW and nxt.record.generation == 2
     assert 40.0 <= clock.now < 41 and coord.gone == ["w4"]
     assert nxt.record.union == ("w1", "w2", "w3") and nxt.record.dead == ("w4",)
@@ -254,7 +254,7 @@ def test_the_publisher_waits_for_members_still_inside_the_failed_rendezvous(
 def test_the_publisher_waits_for_stragglers_no_longer_than_a_rendezvous_can_take(
         monkeypatch: pytest.MonkeyPatch) -> None:
     coord, ctx, clock, state = _decider_with_a_member_still_in_the_rendezvous(monkeypatch)
-    nxt = recovery.recover(ctx, state)  # w2 never says it is back
+    nxt = settle(ctx, recovery.recover, state)  # w2 never says it is back
     assert nxt.phase is Phase.FOLLOW and "w2" in nxt.record.union
     assert 60.0 <= clock.now < 61  # the collective timeout + the notice
     assert coord.gone == ["w4"]  # a straggler is planned in, not taken for dead
@@ -276,10 +276,10 @@ def test_waiting_worker_goes_home_on_signal_or_end() -> None:
     coord, gen0 = _running(["w1", "w2"])
     ctx = context("w9", coord)
     ctx.boundary.on_signal(object())
-    assert transitions.wait(ctx, State(Phase.WAIT, after=0)).phase is Phase.LEFT
+    assert settle(ctx, transitions.wait, State(Phase.WAIT, after=0)).phase is Phase.LEFT
     coord.publish_generation(end_generation(gen0, 5, reason="finished 5 steps"))
     ctx = context("w9", coord)
-    left = transitions.wait(ctx, State(Phase.WAIT, after=0))
+    left = settle(ctx, transitions.wait, State(Phase.WAIT, after=0))
     assert left.phase is Phase.LEFT and "finished 5 steps" in left.reason
 
 
@@ -290,7 +290,7 @@ def test_handed_over_follows_a_replanned_change_that_still_needs_it() -> None:
     again = replace(gen0, generation=2, kind="resize", leaving=("w2",))
     coord.publish_generation(failed)
     coord.publish_generation(again)
-    assert transitions.handed_over(ctx, State(Phase.HANDED_OVER, record=failed)) == State(
+    assert settle(ctx, transitions.handed_over, State(Phase.HANDED_OVER, record=failed)) == State(
         Phase.FOLLOW, record=again)
     assert ctx.trainee is not None  # still holds the state the new plan sends
 
@@ -329,14 +329,22 @@ def test_whole_run_preempted_writes_a_checkpoint_and_a_restart_resumes(tmp_path:
     assert fresh.world.loaded == [pointer["path"]]
 
 
-def test_no_transition_calls_another() -> None:
-    """The protocol's only loop is machine.drive: a transition returns the next state."""
+def test_no_transition_calls_another_or_loops() -> None:
+    """The protocol's only loop is machine.drive: a transition returns the next state,
+    and a wait looks once per call (no loop of its own)."""
     names = {fn.__name__ for fn in TRANSITIONS.values()}
     for fn in TRANSITIONS.values():
         tree = ast.parse(inspect.getsource(fn).lstrip())
+        loops = [n for n in ast.walk(tree) if isinstance(n, ast.While)]
+        assert not loops, f"{fn.__name__} loops (line {loops[0].lineno if loops else 0})"
+        # calls of a transition by name, or through its module (``steps.vote(...)``);
+        # a method of the same name elsewhere (``ctx.world.vote``) is not one
         called = {n.func.id if isinstance(n.func, ast.Name) else n.func.attr
                   for n in ast.walk(tree) if isinstance(n, ast.Call)
-                  and isinstance(n.func, ast.Name | ast.Attribute)}
+                  and (isinstance(n.func, ast.Name)
+                       or (isinstance(n.func, ast.Attribute)
+                           and isinstance(n.func.value, ast.Name)
+                           and n.func.value.id in {"transitions", "steps", "recovery"}))}
         assert not (called & names) - {fn.__name__}, (fn.__name__, called & names)
         assert fn.__name__ not in called, f"{fn.__name__} recurses"
 
@@ -373,7 +381,7 @@ def test_no_layout_fits_the_first_workers_waits_as_standby_then_starts() -> None
             c.workers.setdefault("w3", member("joining"))
 
     coord.on_wait = third_arrives
-    state = transitions.first(ctx, State(Phase.FIRST))
+    state = settle(ctx, transitions.first, State(Phase.FIRST))
     standby = [f for t, f in coord.events if t == "run.standby"]
     assert standby == [{"devices": 2, "reason": "2 devices: fewer than min_world=3"}]
     gen0 = coord.records[0]
@@ -385,7 +393,7 @@ def test_standby_that_lasts_times_out_naming_the_reason() -> None:
     ctx = context("w1", coord, initial=1, join_timeout=0.2)
     ctx.settings = replace(ctx.settings, min_world=2)
     with pytest.raises(WaitTimeout, match=r"standby for 0.2 s: 1 devices: fewer than min_world"):
-        transitions.first(ctx, State(Phase.FIRST))
+        settle(ctx, transitions.first, State(Phase.FIRST))
 
 
 def test_a_shrink_below_what_fits_checkpoints_and_says_standby() -> None:

@@ -107,7 +107,7 @@ class Periodic:
     def due(self, step: int) -> bool:
         return self.every > 0 and step > 0 and step % self.every == 0
 
-    def start(self, world: Any, trainee: Any, step: int, layout: str, rank: int) -> None:
+    def begin(self, world: Any, trainee: Any, step: int, layout: str, rank: int) -> None:
         """Begin the save of ``step`` (after finishing a previous one still pending)."""
         import time
 

@@ -21,11 +21,11 @@ from typing import Any
 
 from etcslurm.coord.records import GenerationRecord
 from etcslurm.core.layout import ParallelConfig
-from etcslurm.core.planner import MigrationPlan, message_cap
+from etcslurm.core.planner import MigrationPlan
 from etcslurm.core.state import Piece
-from etcslurm.errors import StateLostError
-from etcslurm.runtime.generation import LayoutSettings, plan_inputs
-from etcslurm.runtime.migration import MigrationJob, analytic_plan, live_plan
+from etcslurm.runtime.generation import LayoutSettings
+from etcslurm.runtime.migration import MigrationJob
+from etcslurm.runtime.plans import plan_analytically, plan_live
 
 #: the ways a change can run on a participant (see the module docstring)
 PLAN_PATHS = ("nothing_moves", "analytic", "live")
@@ -80,41 +80,3 @@ def nothing_moves(analytic: bool, optimizer: str, record: GenerationRecord) -> b
         return False
     stats = record.plan_stats or {}
     return stats.get("moved_bytes") == 0 and not stats.get("missing_bytes")
-
-
-def plan_analytically(settings: LayoutSettings, record: GenerationRecord,
-                      migration: Any) -> MigrationPlan:
-    """The plan of ``record`` for etcslurm's own model: from the analytic inputs the
-    decider planned from, with its assignment (no descriptions exchanged; the holdings
-    check compares the live state with the same model)."""
-    from etcslurm.core.gpt_state import padded_vocab
-
-    old_tp = ParallelConfig.parse(record.from_layout or record.to_layout).tp
-    return analytic_plan(
-        migration, plan_inputs(settings, record),
-        assignment=[record.planner_ids[w] for w in record.workers_by_rank()],
-        old_vocab_rows=padded_vocab(settings.spec, old_tp), totals=record.plan_stats)
-
-
-def plan_live(settings: LayoutSettings, record: GenerationRecord,
-              migration: Any) -> MigrationPlan:
-    """The plan of ``record`` from the live state (descriptions exchanged on the exchange
-    group), with the assignment the decider published."""
-    ids, dead = record.planner_ids, set(record.dead)
-    plan = live_plan(
-        migration,
-        nodes={ids[w]: record.nodes.get(w, "?") for w in record.union},
-        leaving=[ids[w] for w in record.leaving if w not in dead],
-        joiners=[ids[w] for w in record.union if ids[w].startswith("join:")],
-        assignment=[ids[w] for w in record.workers_by_rank()],
-        staging_bytes=message_cap(settings.staging_bytes),
-        tp=ParallelConfig.parse(record.to_layout).tp,
-    )
-    lost = int(plan.stats.get("lost_pieces", 0))
-    if lost:
-        known = [p for pieces in plan.missing.values() for p in pieces][:1]
-        raise StateLostError(
-            f"generation {record.generation}: {lost} state pieces of the new layout have no "
-            f"holder among the participants (first: "
-            f"{known or 'in another rank’s part of the plan'})")
-    return plan

@@ -303,6 +303,15 @@ def _tail(path: Path, lines: int = 8) -> str:
         return ""
 
 
+class WorkerFailed(EtcslurmError):
+    """A worker of the run exited with an error (its peers finished, stopped, or were
+    stopped after the time a failure takes to settle); ``result``: what the run did."""
+
+    def __init__(self, message: str, result: DemoResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
 def drive(run: LocalRun, events: tuple[ScheduledEvent, ...], timeout: float,
           on_tick: Callable[[LocalRun], None] | None = None) -> None:
     """Apply the schedule as the run reaches each step; return when every worker exited."""
@@ -336,10 +345,9 @@ def drive(run: LocalRun, events: tuple[ScheduledEvent, ...], timeout: float,
         code = wp.proc.returncode
         run.result.exit_codes[wp.worker_id or f"proc{wp.index}"] = code
         if code not in (0, None) and not wp.killed:
-            raise EtcslurmError(
+            raise WorkerFailed(
                 f"worker {wp.worker_id or wp.index} exited with code {code}; last lines of "
-                f"{wp.log}:\n{_tail(wp.log)}"
-            )
+                f"{wp.log}:\n{_tail(wp.log)}", run.result)
 
 
 def reference_workers(spec: GPTSpec, workers: int) -> int:

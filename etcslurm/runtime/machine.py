@@ -1,34 +1,41 @@
 """The session's protocol as an explicit state machine.
 
 A worker is always in one :class:`Phase`.  Each non-terminal phase has one transition
-function (in :mod:`etcslurm.runtime.transitions` and :mod:`etcslurm.runtime.recovery`)
-that does one small thing and *returns* the next :class:`State`; :func:`drive` is the
-only loop.  No transition calls another, so a failure or standby cycle never deepens the
-stack, and every transition can be unit-tested alone with a fake coordinator and a fake
-world.
+function (in :mod:`etcslurm.runtime.steps`, :mod:`etcslurm.runtime.transitions` and
+:mod:`etcslurm.runtime.recovery`) that does one small thing and *returns* the next
+:class:`State`; :func:`drive` is the only loop.  No transition calls another, and none
+loops: a wait (``FIRST``, ``WAIT``, ``HANDED_OVER``, ``RECOVER``) looks once per call,
+blocking a second at most, and returns its own phase with a :class:`Waiting` (its
+deadline and what it has learnt) until what it waits for has happened.  So every
+failure, standby or wait cycle goes through the one loop, the stack never deepens, and
+every transition can be unit-tested alone with a fake coordinator and a fake world.
 
 ::
 
-    START ──▶ FIRST ──▶ FOLLOW ◀── WAIT ◀──────────────┐
-      │                  │  ▲                          │
-      └──────▶ WAIT      │  └── DECIDE (boundary)      │
-                         ▼                             │
-        ENTER | RESIZE | CHECKPOINT | LEFT             │
-          │       │  └──▶ HANDED_OVER ──▶ LEFT | WAIT ─┘
-          ▼       ▼            │
-        ACTIVE  ACTIVE         └──▶ FOLLOW (the change failed, planned again)
-                  │
-         RECOVER ◀┘ (a peer died: from a step, or before a commit) ──▶ FOLLOW | WAIT
+                  ┌──────────────── WAIT ◀────────────────────┐
+                  │                  ▲                          │
+    START ──▶ FIRST ──▶ FOLLOW ◀─────┼─── DECIDE ◀── VOTE ◀── BOUNDARY ◀── (a step)
+                         │           │                 │          │
+            ┌────────────┼───────────┴─────┐       ACTIVE      FINISH ──▶ LEFT
+            ▼            ▼                 ▼
+          ENTER        RESIZE          CHECKPOINT ──▶ LEFT
+            │            │  └──▶ HANDED_OVER ──▶ LEFT | WAIT | FOLLOW
+            ▼            ▼
+          ACTIVE       ACTIVE
+                         │
+    (a step) ──▶ RECOVER ◀┘ (a peer died: in a step, or before a commit) ──▶ FOLLOW
 
-The terminal phases are ``ACTIVE`` (training in a world: the training loop runs until
-the next step boundary) and ``LEFT`` (this worker leaves the run).
+``BOUNDARY`` follows every step (progress, periodic checkpoints, the end of the run),
+``VOTE`` is its one all-reduce (does anyone want a change?).  The terminal phases are
+``ACTIVE`` (training in a world: the training loop runs until the next step boundary)
+and ``LEFT`` (this worker leaves the run).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from etcslurm.coord.records import GenerationRecord
@@ -37,6 +44,9 @@ from etcslurm.runtime.config import RunSettings, WorkerOptions, recovery_window
 
 
 class Phase(enum.Enum):
+    BOUNDARY = "boundary"  # a step finished: progress, periodic checkpoints, the run's end
+    VOTE = "vote"  # the boundary's all-reduce: does anyone want the world to change?
+    FINISH = "finish"  # the last step is done: finish the pending save, send standbys home
     START = "start"  # registered: find where the run is
     FIRST = "first"  # an initial worker: generation 0 is published (by the leader)
     WAIT = "wait"  # outside every world: wait for a generation that takes this worker
@@ -55,6 +65,21 @@ TERMINAL = frozenset({Phase.ACTIVE, Phase.LEFT})
 
 
 @dataclass(frozen=True)
+class Waiting:
+    """A bounded wait in progress: when it gives up and what it has learnt so far."""
+
+    until: float  # time.monotonic() deadline
+    since: float
+    # FIRST: the leader this worker watches instead of counting members itself, the
+    # standby verdict (devices, why no layout fits them), members counted last
+    defer_to: str | None = None
+    standby: tuple[int, str] | None = None
+    counted: int = 0
+    # RECOVER: when the first survivor stops waiting for the others to come back
+    stragglers_until: float = 0.0
+
+
+@dataclass(frozen=True)
 class State:
     """A phase and what its transition needs."""
 
@@ -65,24 +90,9 @@ class State:
     failed: GenerationRecord | None = None  # RECOVER: the change that broke off, if any
     reason: str = ""  # LEFT: why (finished, left, evicted, checkpointed, ...)
     decider: int | None = None  # DECIDE: the rank that publishes (from the boundary's vote)
-
-
-@dataclass
-class MigrationReport:
-    """What one generation change cost on this worker (kept for the demo's summary)."""
-
-    generation: int
-    kind: str
-    from_layout: str | None
-    to_layout: str
-    seconds: float = 0.0
-    transfer_seconds: float = 0.0
-    rebuild_seconds: float = 0.0
-    moved_bytes: int = 0
-    local_bytes: int = 0
-    sent_bytes: int = 0
-    received_bytes: int = 0
-    pause_seconds: float | None = None
+    loss: float = 0.0  # BOUNDARY: the step's loss
+    step_started: float = 0.0  # BOUNDARY: time.perf_counter() when the step began
+    waiting: Waiting | None = None  # a wait in progress (its first call starts it)
 
 
 @dataclass
@@ -108,9 +118,9 @@ class Context:
     #: fails is planned again from it, after ``parallel_state`` was torn down
     held: list[Any] | None = None
     held_scalars: dict[str, Any] | None = None
-    reports: list[MigrationReport] = field(default_factory=list)
     change_started: float | None = None  # when the pause of the current change began
     periodic: Any = None  # periodic checkpoints (runtime.checkpointing.Periodic), if any
+    data_log: Any = None  # which samples each DP rank trains (runtime.boundary.DataLog)
 
     @property
     def step(self) -> int:
@@ -146,13 +156,12 @@ def drive(ctx: Context, state: State, table: Mapping[Phase, Transition]) -> Stat
     return state
 
 
-def describe(state: State) -> dict[str, Any]:
-    """A short JSON-able form of ``state`` (logs, tests)."""
-    out: dict[str, Any] = {"phase": state.phase.value}
-    if state.record is not None:
-        out["generation"] = state.record.generation
-    if state.phase is Phase.WAIT:
-        out["after"] = state.after
-    if state.reason:
-        out["reason"] = state.reason
-    return out
+def settle(ctx: Context, transition: Transition, state: State) -> State:
+    """Call one transition until it leaves ``state``'s phase (a wait looks again until
+    what it waits for happened): one phase of :func:`drive`, for tests and benchmarks
+    that drive a single transition."""
+    phase = state.phase
+    state = transition(ctx, state)
+    while state.phase is phase and state.waiting is not None:
+        state = transition(ctx, state)
+    return state

@@ -15,10 +15,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import replace
 
 from etcslurm.coord.coordinator import GONE
 from etcslurm.errors import EtcslurmError, WaitTimeout
-from etcslurm.runtime.machine import Context, Phase, State
+from etcslurm.runtime.machine import Context, Phase, State, Waiting
 from etcslurm.runtime.transitions import publish_next
 
 log = logging.getLogger("etcslurm.runtime")
@@ -27,58 +28,66 @@ log = logging.getLogger("etcslurm.runtime")
 def recover(ctx: Context, state: State) -> State:
     """Find the dead, let the first surviving member publish the next generation without
     them, and follow it.  ``state.failed``: the change that broke off, if any (its
-    ``union`` are the suspects; else the whole world is)."""
+    ``union`` are the suspects; else the whole world is).  A wait: the first call leaves
+    the broken world; each call then looks once."""
     assert ctx.record is not None
-    coord, opts, exc = ctx.coord, ctx.options, state.error
+    coord = ctx.coord
     current = (state.failed or ctx.record).generation
+    w = state.waiting
+    if w is None:
+        w = _leave_broken_world(ctx, state, current)
+    # beat from here too: a heartbeat thread starved while the groups were torn down
+    # must not let a live survivor look dead to the one deciding
+    with contextlib.suppress(EtcslurmError):
+        coord.beat(deadline=0)
+    latest = coord.current_generation()
+    if latest is not None and latest.generation > current:
+        return State(Phase.FOLLOW, record=latest)
+    world = ctx.record.workers_by_rank()
+    suspects = list(state.failed.union) if state.failed is not None else world
+    members = coord.members()
+    dead = [m for m in suspects if not members.get(m, {}).get("alive")
+            or members.get(m, {}).get("state") == GONE]
+    alive_world = [m for m in world if m not in dead]
+    if time.monotonic() >= w.until:
+        found = (f"{', '.join(dead)} found dead, {alive_world[0]} was to publish it"
+                 if dead and alive_world else "no peer was found dead")
+        raise WaitTimeout(
+            f"worker {ctx.worker_id}: a step failed ({str(state.error)[:120]}) and no new "
+            f"generation came within {w.until - w.since:g} s ({found})")
+    if dead and alive_world and alive_world[0] == ctx.worker_id:
+        # the first survivor of the old world publishes, once the others are back too (a
+        # member still inside the failed rendezvous would miss the next one), or once
+        # they had the time that takes (World.notice_seconds)
+        holding = coord.holding()
+        away = [m for m in alive_world if holding.get(m, -1) < current]
+        if not away or time.monotonic() > w.stragglers_until:
+            if away:
+                log.warning("publishing without waiting longer for %s to come back from "
+                            "generation %s", ", ".join(away), current)
+            for gone in dead:
+                coord.mark_gone(gone, "heartbeat lost")
+            publish_next(ctx, reason=f"recover: {', '.join(dead)} died",
+                         extra_dead=tuple(m for m in dead if m in world))
+            return replace(state, waiting=w)
+    time.sleep(0.2)
+    return replace(state, waiting=w)
+
+
+def _leave_broken_world(ctx: Context, state: State, current: int) -> Waiting:
+    """Once per recovery: read the old state (while its ``parallel_state`` exists), drop
+    every group, say so, and how long to wait (``Context.recovery_window``)."""
+    coord, exc = ctx.coord, state.error
     log.warning("step failed on %s (%s); recovering", ctx.worker_id, str(exc)[:200])
     ctx.change_started = time.perf_counter()
-    ctx.holdings()  # read while this layout's parallel_state is still there
+    ctx.holdings()
     if ctx.periodic is not None:  # a pending save cannot be finalised without the dead
         ctx.periodic.abandon(ctx.world)
     ctx.world.abort()
     if state.failed is None:  # a change that failed has said so already
         coord.emit("error", worker=ctx.worker_id, message=f"collective failed: {str(exc)[:200]}")
-    world = ctx.record.workers_by_rank()
-    suspects = list(state.failed.union) if state.failed is not None else world
     coord.hold(current)  # back on the old state, outside every rendezvous
-    # the first survivor of the old world publishes, once the others are back too (a
-    # member still inside the failed rendezvous would miss the next one), or once they
-    # had the time that takes (World.notice_seconds); the others wait for it
-    window = ctx.recovery_window()
-    start = time.monotonic()
-    deadline = start + window
-    stragglers_until = start + opts.collective_timeout + ctx.world.notice_seconds()
-    dead: list[str] = []
-    alive_world = world
-    while time.monotonic() < deadline:
-        # beat from here too: a heartbeat thread starved while the groups were torn
-        # down must not let a live survivor look dead to the one deciding
-        with contextlib.suppress(EtcslurmError):
-            coord.beat(deadline=0)
-        latest = coord.current_generation()
-        if latest is not None and latest.generation > current:
-            return State(Phase.FOLLOW, record=latest)
-        members = coord.members()
-        dead = [w for w in suspects if not members.get(w, {}).get("alive")
-                or members.get(w, {}).get("state") == GONE]
-        alive_world = [w for w in world if w not in dead]
-        if dead and alive_world and alive_world[0] == ctx.worker_id:
-            holding = coord.holding()
-            away = [w for w in alive_world if holding.get(w, -1) < current]
-            if not away or time.monotonic() > stragglers_until:
-                if away:
-                    log.warning("publishing without waiting longer for %s to come back from "
-                                "generation %s", ", ".join(away), current)
-                for w in dead:
-                    coord.mark_gone(w, "heartbeat lost")
-                publish_next(ctx, reason=f"recover: {', '.join(dead)} died",
-                             extra_dead=tuple(w for w in dead if w in world))
-                continue
-        time.sleep(0.2)
-    found = (f"{', '.join(dead)} found dead, {alive_world[0]} was to publish it"
-             if dead and alive_world else "no peer was found dead")
-    raise WaitTimeout(
-        f"worker {ctx.worker_id}: a step failed ({str(exc)[:120]}) and no new generation "
-        f"came within {window:g} s ({found})"
-    )
+    now = time.monotonic()
+    return Waiting(until=now + ctx.recovery_window(), since=now,
+                   stragglers_until=(now + ctx.options.collective_timeout
+                                     + ctx.world.notice_seconds()))

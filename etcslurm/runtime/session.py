@@ -37,16 +37,18 @@ from etcslurm.coord.coordinator import GONE
 from etcslurm.coord.sentinel import host_address
 from etcslurm.errors import EtcslurmError
 from etcslurm.hooks import NO_HOOKS, Hooks
-from etcslurm.runtime import checkpointing, recovery, transitions
+from etcslurm.runtime import checkpointing, recovery, steps, transitions
 from etcslurm.runtime.boundary import Boundary, DataLog
 from etcslurm.runtime.config import Builder, RunSettings, WorkerOptions, default_builder
-from etcslurm.runtime.generation import end_generation
-from etcslurm.runtime.machine import Context, MigrationReport, Phase, State, drive
+from etcslurm.runtime.machine import Context, Phase, State, drive
 
 log = logging.getLogger("etcslurm.runtime")
 
 #: the transition of every non-terminal phase
 TRANSITIONS = {
+    Phase.BOUNDARY: steps.boundary,
+    Phase.VOTE: steps.vote,
+    Phase.FINISH: steps.finish_run,
     Phase.START: transitions.start,
     Phase.FIRST: transitions.first,
     Phase.WAIT: transitions.wait,
@@ -78,7 +80,6 @@ class ElasticSession:
         self.finished = False
         self.exit_reason = "finished"
         self._client: Any = None
-        self._data_log: DataLog | None = None
         self._step_started = time.perf_counter()
 
     # ------------------------------------------------------------------ what the loop reads
@@ -96,8 +97,10 @@ class ElasticSession:
         return self.ctx.worker_id if self.ctx is not None else None
 
     @property
-    def reports(self) -> list[MigrationReport]:
-        return self.ctx.reports if self.ctx is not None else []
+    def generation(self) -> int | None:
+        """The generation this worker trains in (0 until the world first changes)."""
+        record = self.ctx.record if self.ctx is not None else None
+        return record.generation if record is not None else None
 
     @property
     def step_index(self) -> int:
@@ -153,7 +156,7 @@ class ElasticSession:
         if opts.log_data and self.build is default_builder:
             # which samples each DP rank trains, by etcslurm's own train_step's rule (a
             # user's loop with its own data pipeline logs its own positions)
-            self._data_log = DataLog(Path(opts.run_dir) / f"data-{worker_id}.jsonl")
+            self.ctx.data_log = DataLog(Path(opts.run_dir) / f"data-{worker_id}.jsonl")
         self._run(State(Phase.START))
 
     def close(self, state: str = GONE) -> None:
@@ -170,9 +173,9 @@ class ElasticSession:
                 if ctx.boundary.backlog:  # events kept through an outage: a last try
                     ctx.boundary.flush(retry_s=5, worker=ctx.worker_id)
                 ctx.coord.close(state)
-        if self._data_log is not None:
-            self._data_log.close()
-            self._data_log = None
+        if ctx is not None and ctx.data_log is not None:
+            ctx.data_log.close()
+            ctx.data_log = None
 
     def _run(self, state: State) -> None:
         """Drive the state machine from ``state`` until this worker trains or leaves."""
@@ -198,89 +201,33 @@ class ElasticSession:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """Wrap one training step: a peer that dies inside it triggers recovery, after
-        which the block is left normally (the step is then redone by the loop)."""
+        """Wrap one training step: a peer that fails inside it (a collective fails on a
+        dead or hung peer) triggers recovery, after which the block is left normally and
+        the loop redoes the step.  Any other exception is the step's own: it propagates
+        with its traceback after one line saying this worker leaves the run (its peers
+        carry on without it), never a retry."""
+        from etcslurm.groups.failures import peer_failure
+
         self._step_started = time.perf_counter()
         try:
             yield
-        except (RuntimeError, dist.DistError) as exc:
-            if isinstance(exc, EtcslurmError) or not dist.is_initialized():
+        except EtcslurmError:
+            raise
+        except Exception as exc:
+            if not dist.is_initialized() or not peer_failure(exc):
+                self.finished = True
+                self.exit_reason = "failed"
+                sys.stderr.write(
+                    f"etcslurm worker {self.worker_id}: the training step raised "
+                    f"{type(exc).__name__} (not a failure of a peer): this worker leaves "
+                    "the run\n")
                 raise
             self._run(State(Phase.RECOVER, error=exc))
 
     def step_done(self, loss: float) -> None:
         """The step boundary: publish progress, then resize if anything changed."""
-        ctx = self.ctx
-        assert ctx is not None and ctx.record is not None
-        step = ctx.step
-        elapsed = time.perf_counter() - self._step_started
-        if elapsed < self.options.min_step_seconds:  # paced demos: give joiners time
-            time.sleep(self.options.min_step_seconds - elapsed)
-        self.hooks.after_step(step, elapsed)
-        elapsed = max(time.perf_counter() - self._step_started, 1e-9)
-        if ctx.rank == 0:
-            ctx.boundary.emit_soft(
-                "step", gen=ctx.record.generation, step=step, loss=float(loss),
-                tokens_per_s=self.settings.global_batch * self.settings.model.seq / elapsed,
-            )
-        self._log_data(step - 1, loss)
-        periodic = ctx.periodic
-        if periodic is not None:  # poll and start saves in lockstep (collectives)
-            periodic.poll(ctx.world, ctx.rank)
-            if periodic.due(step) and step < self.settings.steps:
-                periodic.start(ctx.world, ctx.trainee, step, ctx.record.to_layout, ctx.rank)
-        if step >= self.settings.steps:
-            if periodic is not None:
-                periodic.finish(ctx.world, ctx.rank)
-            self.finished = True
-            self.exit_reason = "finished"
-            if ctx.rank == 0:  # standbys and late joiners waiting for a generation: go home
-                ctx.boundary.flush(retry_s=None, worker=ctx.worker_id)
-                ctx.coord.publish_generation(
-                    end_generation(ctx.record, step, reason=f"finished {step} steps"))
-            return
-        change, decider = self._boundary_change()
-        if change:
-            if periodic is not None:  # the save belongs to this world: finish it first
-                periodic.finish(ctx.world, ctx.rank)
-            self._run(State(Phase.DECIDE, decider=decider))
-        self._step_started = time.perf_counter()
-
-    def _boundary_change(self) -> tuple[bool, int | None]:
-        """All ranks agree (one all-reduce) whether to change the world now, and on the
-        rank that decides (the lowest one not leaving)."""
-        ctx = self.ctx
-        assert ctx is not None and ctx.record is not None
-        boundary = ctx.boundary
-        boundary.announce_leaving(ctx.worker_id)
-        flag = boundary.announced
-        if ctx.rank == 0 and not flag and boundary.reachable() and boundary.poll_due():
-            try:
-                flag = self._leader_sees_change()
-            except EtcslurmError as exc:
-                boundary.failed(exc)
-        return ctx.world.vote(flag, ctx.rank or 0, candidate=not boundary.announced)
-
-    def _leader_sees_change(self) -> bool:
-        from etcslurm.runtime.generation import worth_changing
-
-        ctx = self.ctx
-        assert ctx is not None and ctx.record is not None
-        settings = transitions.layout_settings(ctx)
-        view = ctx.boundary.world_view(ctx.record, deadline=0)
-        request = ctx.boundary.pending_request(settings, ctx.record, view, deadline=0)
-        return worth_changing(settings, ctx.record, leaving=view.leaving, dead=[],
-                              ready=view.ready, request=request)
-
-    def _log_data(self, step: int, loss: float) -> None:
-        ctx = self.ctx
-        if self._data_log is None or ctx is None or ctx.record is None:
-            return
-        position = ctx.world.data_position()
-        if position is not None:
-            self._data_log.write(step=step, record=ctx.record, position=position,
-                                 global_batch=self.settings.global_batch, loss=loss,
-                                 worker=ctx.worker_id)
+        assert self.ctx is not None and self.ctx.record is not None
+        self._run(State(Phase.BOUNDARY, loss=float(loss), step_started=self._step_started))
 
 
 def run_worker(settings: RunSettings, options: WorkerOptions,

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from etcslurm.coord.coordinator import ACTIVE, JOINING
+from etcslurm.coord.records import GenerationRecord
 from etcslurm.core.layout import NoLayoutFits, ParallelConfig
 from etcslurm.errors import StateLostError, WaitTimeout
 from etcslurm.runtime import checkpointing, generation
@@ -27,13 +28,15 @@ from etcslurm.runtime.generation import (
     next_generation,
 )
 from etcslurm.runtime.jobs import migration_job
-from etcslurm.runtime.machine import Context, MigrationReport, Phase, State
+from etcslurm.runtime.machine import Context, Phase, State, Waiting
 from etcslurm.runtime.migration import PeerLost
 
 log = logging.getLogger("etcslurm.runtime")
 
 #: how often waiting workers look at the coordinator again
 POLL_S = 0.05
+#: the longest one look of a wait blocks (then the loop comes round again)
+LOOK_S = 1.0
 
 
 # ---------------------------------------------------------------------- joining
@@ -51,87 +54,89 @@ def first(ctx: Context, state: State) -> State:
     """Initial workers: the leader publishes generation 0 once ``initial_workers`` have
     registered.  ``state.record``: the ``checkpoint`` record a previous job of this run
     ended with (a requeued restart): the start record then follows it in number and
-    resumes from the checkpoint."""
+    resumes from the checkpoint.  A wait: one look per call."""
     coord, settings = ctx.coord, ctx.settings
     base = -1 if state.record is None else state.record.generation
-    deadline = time.monotonic() + ctx.options.join_timeout
-    # Only the leader counts the members (O(N), every POLL_S); the others watch the
-    # leader alone (O(1)) and block on the coordinator's news, so N waiting workers cost
-    # O(N) per round, not O(N^2), and all of them wake when generation 0 is published.
-    live: dict[str, Any] = {}
-    defer_to: str | None = None
-    wait_s = 0.0
-    # no layout fits the workers here: wait as standby for more (tried again, with every
-    # live worker, whenever one more registers)
-    standby: tuple[int, str] | None = None
-    while True:
-        if coord.watch(base, timeout=wait_s).generation > base:
-            break
-        if defer_to is None or not coord.alive(defer_to):
-            # only workers not yet in any world: after a whole-run checkpoint the previous
-            # job's workers may still be alive (leaving) while the restarted ones register
-            live = {w: i for w, i in coord.live_members().items() if i["state"] == JOINING}
-            leader = coord.leader()
-            defer_to = None if leader in (None, ctx.worker_id) else leader
-            if (leader == ctx.worker_id and len(live) >= settings.initial_workers
-                    and (standby is None or len(live) > standby[0])):
-                workers = list(live)[: settings.initial_workers if standby is None else None]
-                nodes = {w: str(i.get("node") or "?") for w, i in live.items()}
-                try:
-                    record = replace(first_generation(layout_settings(ctx), workers, nodes),
-                                     generation=base + 1)
-                except NoLayoutFits as exc:
-                    standby = (len(workers), str(exc))
-                    coord.emit("run.standby", devices=len(workers), reason=str(exc))
-                    log.warning("standby: %s", exc)
-                    wait_s = POLL_S
-                    continue
-                resume = checkpointing.pointer(ctx.options)
-                if resume:
-                    record = replace(record, resume=resume["path"],
-                                     step=int(resume.get("step", 0)),
-                                     reason=f"resume from {resume['path']}; {record.reason}")
-                if coord.publish_generation(record):
-                    wait_s = 0.0
-                    continue
-        if time.monotonic() > deadline:
-            if standby is not None:
-                raise WaitTimeout(f"run {ctx.options.run_id}: standby for "
-                                  f"{ctx.options.join_timeout:g} s: {standby[1]}")
-            raise WaitTimeout(
-                f"run {ctx.options.run_id}: only {len(live)} of {settings.initial_workers} "
-                f"initial workers registered within {ctx.options.join_timeout:g} s"
-            )
-        wait_s = POLL_S if defer_to is None else 10 * POLL_S
-    current = coord.wait_generation(after=base, timeout=max(1.0, deadline - time.monotonic()))
-    if ctx.worker_id in current.union:
-        return State(Phase.FOLLOW, record=current)
-    return State(Phase.WAIT, after=current.generation)
+    now = time.monotonic()
+    w = state.waiting
+    if w is None:  # the first look blocks on nothing
+        w, pause = Waiting(until=now + ctx.options.join_timeout, since=now), 0.0
+    else:
+        # Only the leader counts the members (O(N), every POLL_S); the others watch the
+        # leader alone (O(1)) and block on the coordinator's news, so N waiting workers
+        # cost O(N) per round, not O(N^2), and all wake when generation 0 is published.
+        pause = POLL_S if w.defer_to is None else 10 * POLL_S
+    if coord.watch(base, timeout=pause).generation > base:
+        current = coord.wait_generation(after=base, timeout=max(1.0, w.until - now))
+        if ctx.worker_id in current.union:
+            return State(Phase.FOLLOW, record=current)
+        return State(Phase.WAIT, after=current.generation)
+    if w.defer_to is None or not coord.alive(w.defer_to):
+        # only workers not yet in any world: after a whole-run checkpoint the previous
+        # job's workers may still be alive (leaving) while the restarted ones register
+        live = {k: i for k, i in coord.live_members().items() if i["state"] == JOINING}
+        leader = coord.leader()
+        w = replace(w, defer_to=None if leader in (None, ctx.worker_id) else leader,
+                    counted=len(live))
+        # no layout fits the workers here: wait as standby for more (tried again, with
+        # every live worker, whenever one more registers)
+        if (leader == ctx.worker_id and len(live) >= settings.initial_workers
+                and (w.standby is None or len(live) > w.standby[0])):
+            w = _publish_first(ctx, base, live, w)
+    if time.monotonic() > w.until:
+        if w.standby is not None:
+            raise WaitTimeout(f"run {ctx.options.run_id}: standby for "
+                              f"{ctx.options.join_timeout:g} s: {w.standby[1]}")
+        raise WaitTimeout(
+            f"run {ctx.options.run_id}: only {w.counted} of {settings.initial_workers} "
+            f"initial workers registered within {ctx.options.join_timeout:g} s"
+        )
+    return replace(state, waiting=w)
+
+
+def _publish_first(ctx: Context, base: int, live: dict[str, Any], w: Waiting) -> Waiting:
+    """The leader publishes the first generation of ``live``'s workers (resuming the
+    run's checkpoint if it has one), or records why no layout fits them."""
+    coord = ctx.coord
+    workers = list(live)[: ctx.settings.initial_workers if w.standby is None else None]
+    nodes = {k: str(i.get("node") or "?") for k, i in live.items()}
+    try:
+        record = replace(first_generation(layout_settings(ctx), workers, nodes),
+                         generation=base + 1)
+    except NoLayoutFits as exc:
+        coord.emit("run.standby", devices=len(workers), reason=str(exc))
+        log.warning("standby: %s", exc)
+        return replace(w, standby=(len(workers), str(exc)))
+    resume = checkpointing.pointer(ctx.options)
+    if resume:
+        record = replace(record, resume=resume["path"], step=int(resume.get("step", 0)),
+                         reason=f"resume from {resume['path']}; {record.reason}")
+    coord.publish_generation(record)
+    return w
 
 
 def wait(ctx: Context, state: State) -> State:
-    """A joiner (or an idle standby) waits until a generation takes it in."""
-    end = time.monotonic() + ctx.options.join_timeout
-    after = state.after
-    while True:
-        left = end - time.monotonic()
-        if left <= 0:
-            raise WaitTimeout(
-                f"worker {ctx.worker_id} was not taken into run {ctx.options.run_id} "
-                f"within {ctx.options.join_timeout:g} s"
-            )
-        if ctx.boundary.signalled:
-            return State(Phase.LEFT, reason="signalled while waiting to join")
-        # O(1) while nothing happens (blocked on the coordinator's news, the signal
-        # checked every second); the record is read once, when there is a new one
-        if ctx.coord.watch(after, timeout=min(left, 1.0)).generation <= after:
-            continue
-        record = ctx.coord.wait_generation(after=after, timeout=max(left, 1.0))
-        after = record.generation
-        if record.kind in ("stop", "end"):
-            return State(Phase.LEFT, reason=f"the run ended: {record.reason}")
-        if ctx.worker_id in record.union:
-            return State(Phase.FOLLOW, record=record)
+    """A joiner (or an idle standby) waits until a generation takes it in (one look per
+    call: blocked on the coordinator's news for a second at most, the signal checked
+    between looks; the record read only when there is a new one)."""
+    now = time.monotonic()
+    w = state.waiting or Waiting(until=now + ctx.options.join_timeout, since=now)
+    left = w.until - now
+    if left <= 0:
+        raise WaitTimeout(
+            f"worker {ctx.worker_id} was not taken into run {ctx.options.run_id} "
+            f"within {ctx.options.join_timeout:g} s"
+        )
+    if ctx.boundary.signalled:
+        return State(Phase.LEFT, reason="signalled while waiting to join")
+    if ctx.coord.watch(state.after, timeout=min(left, LOOK_S)).generation <= state.after:
+        return replace(state, waiting=w)
+    record = ctx.coord.wait_generation(after=state.after, timeout=max(left, 1.0))
+    if record.kind in ("stop", "end"):
+        return State(Phase.LEFT, reason=f"the run ended: {record.reason}")
+    if ctx.worker_id in record.union:
+        return State(Phase.FOLLOW, record=record)
+    return State(Phase.WAIT, after=record.generation, waiting=w)
 
 
 # ---------------------------------------------------------------------- changing
@@ -188,8 +193,8 @@ def enter(ctx: Context, state: State) -> State:
         ctx.world.load_checkpoint(ctx.trainee, record.resume)
     ctx.record = record
     ctx.coord.set_state(ACTIVE, rank=rank, generation=record.generation)
-    ctx.reports.append(MigrationReport(record.generation, "start", None, record.to_layout,
-                                       seconds=time.perf_counter() - t0))
+    log.info("generation %s: rank %s of %s in %.3f s", record.generation, rank,
+             record.to_layout, time.perf_counter() - t0)
     return State(Phase.ACTIVE)
 
 
@@ -230,64 +235,72 @@ def resize(ctx: Context, state: State) -> State:
     coord.set_state(ACTIVE, rank=new_rank, generation=gen)
     if new_rank == 0:  # past the new world's barrier: every member is complete
         coord.commit_generation(gen)
-    stats, plan_stats = result.stats, result.plan.stats
-    report = MigrationReport(
-        gen, "resize", old_layout, record.to_layout, seconds=time.perf_counter() - t0,
-        transfer_seconds=result.phase("exchange"),
-        rebuild_seconds=result.phase("build") + result.phase("commit"),
-        moved_bytes=int(plan_stats.get("moved_bytes", 0)),
-        local_bytes=int(plan_stats.get("local_bytes", 0)),
-        sent_bytes=stats.bytes_sent, received_bytes=stats.bytes_received,
-    )
-    phases = {"read": t_job - t0, **{name: result.phase(name) for name in result.seconds}}
-    if ctx.change_started is not None:
-        report.pause_seconds = time.perf_counter() - ctx.change_started
-        phases = {"decide": max(0.0, t0 - ctx.change_started), **phases}
-    phases["kept"] = float(result.kept)
-    ctx.reports.append(report)
-    log.info("generation %s: rank %s in %.3f s (%s)", gen, new_rank, report.seconds,
-             ", ".join(f"{k} {v:.3f}" for k, v in phases.items() if k != "kept"))
-    if new_rank == 0:
-        coord.emit("migration.done", gen=gen, seconds=report.seconds,
-                   moved_bytes=report.moved_bytes, local_bytes=report.local_bytes,
-                   checkpoint_bytes=0, pause_seconds=report.pause_seconds,
-                   transfer_seconds=report.transfer_seconds,
-                   rebuild_seconds=report.rebuild_seconds, phases=phases,
-                   **{"from": old_layout, "to": record.to_layout})
+    _report_done(ctx, record, result, old_layout, t0, t_job)
     ctx.change_started = None
     return State(Phase.ACTIVE)
+
+
+def _report_done(ctx: Context, record: GenerationRecord, result: Any, old_layout: str | None,
+                 t0: float, t_job: float) -> None:
+    """Log this rank's phases; the new rank 0 emits ``migration.done`` (the monitor's and
+    the benchmarks' figures: the pause, the bytes, each phase)."""
+    gen, new_rank = record.generation, ctx.rank
+    seconds = time.perf_counter() - t0
+    phases = {"read": t_job - t0, **{name: result.phase(name) for name in result.seconds}}
+    pause = None
+    if ctx.change_started is not None:
+        pause = time.perf_counter() - ctx.change_started
+        phases = {"decide": max(0.0, t0 - ctx.change_started), **phases}
+    phases["kept"] = float(result.kept)
+    log.info("generation %s: rank %s in %.3f s (%s)", gen, new_rank, seconds,
+             ", ".join(f"{k} {v:.3f}" for k, v in phases.items() if k != "kept"))
+    if new_rank == 0:
+        plan_stats = result.plan.stats
+        ctx.coord.emit("migration.done", gen=gen, seconds=seconds,
+                       moved_bytes=int(plan_stats.get("moved_bytes", 0)),
+                       local_bytes=int(plan_stats.get("local_bytes", 0)),
+                       checkpoint_bytes=0, pause_seconds=pause,
+                       transfer_seconds=result.phase("exchange"),
+                       rebuild_seconds=result.phase("build") + result.phase("commit"),
+                       phases=phases, **{"from": old_layout, "to": record.to_layout})
 
 
 def handed_over(ctx: Context, state: State) -> State:
     """A leaver (or a worker no layout uses now) keeps its state until the new world has
     committed ``state.record`` (its rank 0 records the commit past the new world's
     barrier), so that a failed change can be planned again from it.  Bounded by the time
-    a failure takes to show (after that it leaves anyway)."""
+    a failure takes to show (after that it leaves anyway).  A wait: one look per call."""
     record = state.record
     assert record is not None
-    coord, opts = ctx.coord, ctx.options
-    limit = settled_within(opts.dead_after, opts.collective_timeout,
-                           ctx.world.notice_seconds())
-    end = time.monotonic() + limit
-    gen = record.generation
-    coord.hold(gen)  # should this change fail: its state is here, outside every rendezvous
-    while True:
-        left = end - time.monotonic()
-        if left <= 0:
-            log.warning("generation %s was not confirmed within %.0f s; leaving anyway",
-                        gen, limit)
-            break
-        # blocked on the coordinator's news (O(1)); woken by the commit or a new record
-        head = coord.watch(gen, timeout=left, committed=gen - 1)
-        if head.committed >= gen:
-            break
-        if head.generation > gen:
-            latest = coord.current_generation()  # read once, only when there is one
-            if latest is not None and latest.generation > gen:
-                if ctx.worker_id in latest.union and latest.kind == "resize":
-                    return State(Phase.FOLLOW, record=latest)  # the change failed: again
-                break  # planned without this worker (from the new state): done here
-            time.sleep(POLL_S)  # its number ran ahead of the record: look again
+    coord, opts, gen = ctx.coord, ctx.options, record.generation
+    now = time.monotonic()
+    w = state.waiting
+    if w is None:
+        limit = settled_within(opts.dead_after, opts.collective_timeout,
+                               ctx.world.notice_seconds())
+        w = Waiting(until=now + limit, since=now)
+        coord.hold(gen)  # should this change fail: its state is here, outside every rendezvous
+    left = w.until - now
+    if left <= 0:
+        log.warning("generation %s was not confirmed within %.0f s; leaving anyway",
+                    gen, w.until - w.since)
+        return _handed_over(ctx, record)
+    # blocked on the coordinator's news (O(1)); woken by the commit or a new record
+    head = coord.watch(gen, timeout=min(left, LOOK_S), committed=gen - 1)
+    if head.committed >= gen:
+        return _handed_over(ctx, record)
+    if head.generation > gen:
+        latest = coord.current_generation()  # read once, only when there is one
+        if latest is not None and latest.generation > gen:
+            if ctx.worker_id in latest.union and latest.kind == "resize":
+                return State(Phase.FOLLOW, record=latest)  # the change failed: again
+            return _handed_over(ctx, record)  # planned without this worker: done here
+        time.sleep(POLL_S)  # its number ran ahead of the record: look again
+    return replace(state, waiting=w)
+
+
+def _handed_over(ctx: Context, record: GenerationRecord) -> State:
+    """The change is settled without this worker: leave, or wait as a standby."""
     ctx.forget_holdings()
     ctx.trainee = None
     if ctx.worker_id in record.leaving:

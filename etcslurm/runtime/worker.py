@@ -12,6 +12,8 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from etcslurm.errors import EtcslurmError, UsageError
 from etcslurm.hooks import Hooks
@@ -107,10 +109,11 @@ def import_builder(target: str) -> Builder:
 
 
 def main(argv: list[str] | None = None, hooks: Hooks | None = None,
-         build: Builder | None = None) -> int:
+         build: Builder | None = None,
+         train_step: Callable[[Any], float] | None = None) -> int:
     """Run one worker; ``build``: the model builder (default: ``--builder``, else
-    etcslurm's GPT of the run's model), ``hooks``: test injection points
-    (``etcslurm.testing.worker``)."""
+    etcslurm's GPT of the run's model), ``train_step`` (default: etcslurm's),
+    ``hooks``: test injection points (``etcslurm.testing.worker``)."""
     logging.basicConfig(level=os.environ.get("ETCSLURM_LOG", "WARNING"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parser().parse_args(argv)
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None,
         return exc.exit_code
     from etcslurm.runtime.session import run_worker
 
-    return run_worker(settings, options, build=build, hooks=hooks)
+    return run_worker(settings, options, train_step=train_step, build=build, hooks=hooks)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,14 @@ from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
 from etcslurm.coord.server import BundledRedis
 from etcslurm.errors import EtcslurmError
-from etcslurm.runtime.launcher import LOSS_TOLERANCE, DemoOptions, DemoResult, LocalRun, run_demo
+from etcslurm.runtime.launcher import (
+    LOSS_TOLERANCE,
+    DemoOptions,
+    DemoResult,
+    LocalRun,
+    WorkerFailed,
+    run_demo,
+)
 
 #: fault detection knobs used by the scenarios: the runtime's defaults (10 s each).  Lower
 #: values detect sooner but, on an overloaded host, a starved heartbeat thread makes a live
@@ -106,7 +113,10 @@ def kill_rank(run: LocalRun, rank: int, sig: int = signal.SIGKILL) -> bool:
 
 def faults(**spec: Any) -> dict[str, Any]:
     """DemoOptions fields that run the workers with these fault hooks
-    (:func:`etcslurm.testing.faults.hooks_from_json` keys, e.g. ``migration_delay=3``)."""
+    (:func:`etcslurm.testing.faults.hooks_from_json` keys, e.g. ``migration_delay=3``;
+    ``raise_`` for ``raise``)."""
+    if "raise_" in spec:
+        spec["raise"] = spec.pop("raise_")
     return {"worker_module": "etcslurm.testing.worker",
             "worker_args": ("--faults", json.dumps(spec, sort_keys=True))}
 
@@ -190,6 +200,8 @@ def _run(name: str, opts: DemoOptions, inject: Callable[[LocalRun, Tracker], Non
         row.result = run_demo(opts, on_tick=tracker)
     except EtcslurmError as exc:
         row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        if isinstance(exc, WorkerFailed):
+            row.result = exc.result
     if url is None:  # a bundled Redis of run_demo: gone with the run
         row.events = []
     else:
@@ -470,6 +482,29 @@ def redis_restart(redis_url: str | None, pw: str | None, run_dir: Path, steps: i
         return row
     finally:
         server.stop()
+
+
+def step_error_everywhere(redis_url: str, pw: str | None, run_dir: Path, steps: int,
+                          reference: dict[int, float] | None) -> Row:
+    """3 workers; the training step raises ValueError on every rank at step 3 (a bug in
+    the user's step): each worker ends with its traceback, nobody recovers or retries."""
+    opts = _options(redis_url, pw, run_dir, steps,
+                    **faults(raise_={"step": 3, "error": "ValueError"}))
+    row = _run("ValueError in the step on every rank", opts, lambda run, t: None, None)
+    row.outcome = "stopped" if row.error else row.outcome
+    return row
+
+
+def oom_on_one_rank(redis_url: str, pw: str | None, run_dir: Path, steps: int,
+                    reference: dict[int, float] | None) -> Row:
+    """3 workers; rank 2 runs out of memory at step 3: that worker ends with its
+    traceback, the other two recover without it and finish the run."""
+    opts = _options(redis_url, pw, run_dir, steps,
+                    **faults(raise_={"step": 3, "error": "OutOfMemoryError", "ranks": [2]}))
+    row = _run("out of memory on one rank", opts, lambda run, t: None, reference)
+    if row.result is not None and len(row.result.losses) == steps:
+        row.outcome = "completed without it"
+    return row
 
 
 def lost_pieces(redis_url: str, pw: str | None, run_dir: Path, steps: int,

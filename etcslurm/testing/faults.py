@@ -121,8 +121,39 @@ class Several(Hooks):
             h.after_step(step, seconds)
 
 
-#: the keys :func:`hooks_from_json` accepts
-FAULT_KEYS = ("rebuild_delay", "migration_delay", "min_step_seconds", "corrupt", "hold")
+def raising_step(spec: Mapping[str, Any] | None) -> Any:
+    """A ``train_step`` that raises ``spec["error"]`` (``ValueError`` or
+    ``OutOfMemoryError``) at global step ``spec["step"]`` on the ranks ``spec["ranks"]``
+    (every rank when absent), and else trains as etcslurm's own: a bug in the user's
+    step, or a device out of memory, for the tests that it ends the worker, not the run.
+    ``None`` when ``spec`` is empty."""
+    if not spec:
+        return None
+    if not isinstance(spec, Mapping) or not {"step", "error"} <= set(spec):
+        raise UsageError("--faults raise must be an object with step, error [, ranks]")
+    errors = {"ValueError": ValueError, "OutOfMemoryError": None}
+    if spec["error"] not in errors:
+        raise UsageError(f"--faults raise: error must be one of {', '.join(errors)}")
+    at, ranks = int(spec["step"]), spec.get("ranks")
+
+    def train_step(trainee: Any) -> float:
+        import torch
+        import torch.distributed as dist
+
+        from etcslurm.megatron.train import train_step as real
+
+        if trainee.iteration == at and (ranks is None or dist.get_rank() in ranks):
+            if spec["error"] == "ValueError":
+                raise ValueError(f"injected: a bug in the training step at step {at}")
+            raise torch.OutOfMemoryError(f"injected: out of memory at step {at}")
+        return real(trainee)
+
+    return train_step
+
+
+#: the keys :func:`hooks_from_json` accepts (``raise`` is :func:`raising_step`'s)
+FAULT_KEYS = ("rebuild_delay", "migration_delay", "min_step_seconds", "corrupt", "hold",
+              "raise")
 _HOLD_KEYS = ("step", "file", "timeout")
 _CORRUPT_KEYS = ("src", "dst", "offset", "mask")
 
@@ -134,6 +165,7 @@ def hooks_from_json(spec: Mapping[str, Any] | None) -> Hooks:
         return NO_HOOKS
     if not isinstance(spec, Mapping):
         raise UsageError(f"--faults must be a JSON object, got {type(spec).__name__}")
+    spec = {k: v for k, v in spec.items() if k != "raise"}
     unknown = sorted(set(spec) - set(FAULT_KEYS))
     if unknown:
         raise UsageError(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULT_KEYS)}")

@@ -14,7 +14,7 @@ import json
 import sys
 
 from etcslurm.errors import EtcslurmError
-from etcslurm.testing.faults import FAULT_KEYS, hooks_from_json
+from etcslurm.testing.faults import FAULT_KEYS, hooks_from_json, raising_step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"JSON object with keys from {', '.join(FAULT_KEYS)}")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
-        hooks = hooks_from_json(json.loads(args.faults))
+        spec = json.loads(args.faults)
+        hooks = hooks_from_json(spec)
+        train_step = raising_step(spec.get("raise") if isinstance(spec, dict) else None)
     except json.JSONDecodeError as exc:
         sys.stderr.write(f"etcslurm test worker: --faults is not JSON: {exc}\n")
         return 2
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     from etcslurm.runtime.worker import main as worker_main
 
-    return worker_main(rest, hooks=hooks)
+    return worker_main(rest, hooks=hooks, train_step=train_step)
 
 
 if __name__ == "__main__":
