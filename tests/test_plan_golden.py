@@ -28,8 +28,9 @@ import pytest
 
 from etcslurm.core.layout import ParallelConfig, valid_configs
 from etcslurm.core.models import PRESETS, GPTSpec
-from etcslurm.core.planner import MigrationPlan, PlanInputs, gpt_inputs, plan
+from etcslurm.core.plan import MigrationPlan, PlanInputs, plan
 from etcslurm.core.state import Piece
+from etcslurm.megatron_state.planning import gpt_inputs
 
 GOLDEN = Path(__file__).parent / "data" / "plan_golden.json"
 P = ParallelConfig.parse

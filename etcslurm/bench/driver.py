@@ -19,7 +19,7 @@ from typing import Any
 
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
-from etcslurm.core.planner import message_cap
+from etcslurm.core.plan import message_cap
 from etcslurm.errors import UsageError
 
 #: megatron adapter pads the vocabulary for TP up to 8; the bench pads the spec the same
@@ -226,7 +226,7 @@ def summarise(request: MigrateRequest, spec: GPTSpec, results: list[dict[str, An
         "staging_cap_bytes": request.staging_mb << 20,
         "max_recv_bytes": max_recv,
         "bit_exact": bit_exact,
-        # the plan from the live state (what ran) equals the analytic one (core.gpt_state)
+        # the plan from the live state (what ran) equals the analytic one (megatron_state)
         "analytic_equals_live": all(r.get("analytic_equals_live", False) for r in results),
         "steps_after": request.steps_after,
         "loss_match": loss_match,

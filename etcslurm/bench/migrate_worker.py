@@ -122,14 +122,14 @@ def _close(baseline: Any) -> None:
 
 
 def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str) -> dict[str, Any]:
-    from etcslurm.core.gpt_state import rank_pieces
-    from etcslurm.core.planner import gpt_inputs
-    from etcslurm.core.planner import plan as core_plan
+    from etcslurm.core.plan import plan as core_plan
     from etcslurm.megatron import parallel, regroup
     from etcslurm.megatron.model import TrainHyper, build_gpt
     from etcslurm.megatron.scalars import extract_scalars
     from etcslurm.megatron.sharded_meta import local_state
     from etcslurm.megatron.train import train_step
+    from etcslurm.megatron_state import rank_pieces
+    from etcslurm.megatron_state.planning import gpt_inputs
 
     c = ctx.config
     spec = GPTSpec.from_json(c["spec"])
@@ -150,7 +150,7 @@ def _migrate(ctx: WorkerContext, out: dict[str, Any], baseline: Any, device: str
         ctx.publish(device, {"phase": phase, "device": device, **info})
 
     # ---------------------------------------------------------------- 0. old world
-    # the analytic plan (core.gpt_state): its assignment is what a runtime's decider
+    # the analytic plan (megatron_state): its assignment is what a runtime's decider
     # publishes; the migration then plans from the live state with it, and the two plans
     # must be identical (the analytic model describes megatron-core's state exactly)
     analytic_inputs = gpt_inputs(spec, old, new, leaving=[str(r) for r in leave],

@@ -16,7 +16,7 @@ from typing import Any
 from etcslurm.coord.coordinator import ACTIVE, JOINING
 from etcslurm.coord.records import GenerationRecord
 from etcslurm.core.layout import ParallelConfig
-from etcslurm.core.planner import MigrationPlan
+from etcslurm.core.plan import MigrationPlan
 from etcslurm.errors import StateLostError, WaitTimeout
 from etcslurm.runtime import checkpointing
 from etcslurm.runtime.config import settled_within
@@ -345,7 +345,7 @@ def _analytic_plan(ctx: Context, record: GenerationRecord, migration: Any) -> Mi
     """The plan of ``record`` for etcslurm's own model: from the analytic inputs the
     decider planned from, with its assignment (no descriptions exchanged; the holdings
     check compares the live state with the same model)."""
-    from etcslurm.core.gpt_state import padded_vocab
+    from etcslurm.megatron_state import padded_vocab
     from etcslurm.runtime.generation import plan_inputs
 
     settings = layout_settings(ctx)
@@ -359,7 +359,7 @@ def _analytic_plan(ctx: Context, record: GenerationRecord, migration: Any) -> Mi
 def _live_plan(ctx: Context, record: GenerationRecord, migration: Any) -> MigrationPlan:
     """The plan of ``record`` from the live state (descriptions exchanged on the exchange
     group), with the assignment the decider published."""
-    from etcslurm.core.planner import message_cap
+    from etcslurm.core.plan import message_cap
 
     ids, dead = record.planner_ids, set(record.dead)
     plan = live_plan(
