@@ -10,7 +10,7 @@ package is what ties the two, and the one place to change when megatron-core's l
 * :mod:`.buffers`: DDP's param-and-grad buffers and the ZeRO-1 shards of them;
 * :mod:`.expand`: every rank's holdings under a layout, grouped into classes;
 * :mod:`.vocab`: the vocabulary padding rows a TP change adds, and their fill;
-* :mod:`.planning`: plans for a GPT model between layouts.
+* :mod:`.planning`: plans for a GPT model between layouts (``plan_migration``).
 """
 
 from etcslurm.megatron_state.buffers import buffer_layout, ddp_bucket_size
