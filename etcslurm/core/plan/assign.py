@@ -171,8 +171,8 @@ class Gains:
     the assignment's time at 16k devices.  A term whose holder set and needer set are one
     class each (a shard meeting a shard) is one entry, a term of a few classes a few:
     those are summed in with one ``np.bincount`` per component; the few terms of widely
-    replicated pieces (a model slice every DP replica holds) are added as dense blocks.  Every partial sum is an integer below
-    2**53, so the float adds are exact in any order.
+    replicated pieces (a model slice every DP replica holds) are added as dense blocks.
+    Every partial sum is an integer below 2**53, so the float adds are exact in any order.
     """
 
     def __init__(self, old: Index, new: Index, terms: Terms, component: list[int]) -> None:

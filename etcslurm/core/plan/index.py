@@ -136,8 +136,9 @@ class Index:
         return hit
 
     def tables(self, key: str, rank: int) -> list[tuple]:
-        """The pieces of ``key`` with ``rank`` axes as arrays, for :func:`etcslurm.core.plan.overlap.cover`:
-        a list of ``(ids, lo, hi, sort keys, widest, span)``, each sorted by its keys.
+        """The pieces of ``key`` with ``rank`` axes as arrays, for
+        :func:`~etcslurm.core.plan.overlap.cover`: a list of ``(ids, lo, hi, sort keys,
+        widest, span)``, each sorted by its keys.
 
         Why not one table sorted by axis 0: axis 0 of a layer-stacked tensor is the layer
         (one index wide), so a window on it holds every piece of the layer -- ~60 per

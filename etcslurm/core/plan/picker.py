@@ -22,10 +22,11 @@ class SourcePicker:
     Why sticky: choosing the least loaded holder for every slice balances the senders,
     but spreads one receiver's state over every holder (a pipeline stage leaving at 8k
     devices: each receiver would get ~120 messages from as many senders, and as a device
-    receives one message per round, the exchange hundreds of rounds).  Keeping the previous source while it is
-    within one message (``slack``: the message cap) of the best keeps each holder's load
-    within a message of the least loaded one, and a receiver's state comes in runs of
-    about a message each: as balanced, an order of magnitude fewer messages and rounds.
+    receives one message per round, the exchange hundreds of rounds).  Keeping the
+    previous source while it is within one message (``slack``: the message cap) of the
+    best keeps each holder's load within a message of the least loaded one, and a
+    receiver's state comes in runs of about a message each: as balanced, an order of
+    magnitude fewer messages and rounds.
 
     Fast: a run of slices with the same holders goes to one source until the load bound
     is crossed, found by bisection in the run's prefix byte sums (``cum``); one lazy heap
