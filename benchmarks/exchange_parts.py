@@ -4,7 +4,7 @@ Why: ``etcslurm bench migrate`` takes minutes (a model is built, trained, saved)
 figures move with the load of this shared machine; comparing executor variants needs them
 side by side in the same processes.  This starts ``old devices + joiners`` gloo processes
 on a bare exchange group, gives them synthetic tensors of the analytic gpt state
-(``core.gpt_state.rank_pieces``: the shapes the real model has; a piece a device holds
+(``megatron_state.rank_pieces``: the shapes the real model has; a piece a device holds
 and needs is the same tensor, as in a kept model) and times, per repetition and in a
 shuffled order: ``execute``, ``transport_only`` and, with ``--variant FILE``, another
 executor module (e.g. a candidate change, or an older one: ``git show
@@ -39,10 +39,11 @@ def _cpu() -> float:
 
 def _worker(rank: int, n: int, port: int, args: argparse.Namespace, out: Any) -> None:
     from etcslurm.bench.driver import MigrateRequest
-    from etcslurm.core.gpt_state import rank_pieces
-    from etcslurm.core.planner import gpt_inputs, message_cap
-    from etcslurm.core.planner import plan as core_plan
+    from etcslurm.core.plan import message_cap
+    from etcslurm.core.plan import plan as core_plan
     from etcslurm.groups import lifecycle as groups
+    from etcslurm.megatron_state import rank_pieces
+    from etcslurm.megatron_state.planning import gpt_inputs
     from etcslurm.transfer import executor as ex
 
     other = None

@@ -3,7 +3,7 @@
 Run: ``python benchmarks/plan_scale.py [--optimizer adam|distributed|both]
 [--pattern dp|stage|scatter|all] [--model gpt-70b|llama3-70b|all] [--max-devices N]``.
 
-Targets (issue 17), on one core: 8192 → 6144 devices < 1 s and < 1 GiB, 16384 → 12288
+Targets, on one core: 8192 → 6144 devices < 1 s and < 1 GiB, 16384 → 12288
 < 2 s, for gpt-70b and llama3-70b, every leave pattern, both optimizers:
 
 - ``dp``: whole DP replicas leave (dp index >= new dp), the common preemption case;
@@ -38,7 +38,8 @@ import time
 
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import PRESETS
-from etcslurm.core.planner import gpt_inputs, plan
+from etcslurm.core.plan import plan
+from etcslurm.megatron_state.planning import gpt_inputs
 from etcslurm.runtime.generation import decider_plan
 
 P = ParallelConfig

@@ -20,7 +20,7 @@ _LAZY = {
     # models and layouts
     "GPTSpec": "etcslurm.core.models",
     "ParallelConfig": "etcslurm.core.layout",
-    "plan_migration": "etcslurm.core.planner",
+    "plan_migration": "etcslurm.megatron_state.planning",
     # Slurm
     "submit": "etcslurm.slurm.submission",
     "grow": "etcslurm.slurm.submission",

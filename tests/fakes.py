@@ -16,11 +16,11 @@ from types import SimpleNamespace
 from typing import Any
 
 from etcslurm.coord.records import ChangeRequest, GenerationRecord
-from etcslurm.core.gpt_state import rank_pieces
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
-from etcslurm.core.planner import MigrationPlan
+from etcslurm.core.plan import MigrationPlan
 from etcslurm.errors import WaitTimeout
+from etcslurm.megatron_state import rank_pieces
 from etcslurm.runtime.boundary import Boundary
 from etcslurm.runtime.config import RunSettings, WorkerOptions
 from etcslurm.runtime.machine import Context

@@ -6,17 +6,17 @@ import itertools
 
 import pytest
 
-from etcslurm.core.gpt_state import (
+from etcslurm.core.layout import ParallelConfig, choose_config, parse_ranges, valid_configs
+from etcslurm.core.models import PRESETS, GPTSpec
+from etcslurm.core.state import Piece, box_numel, flat_range_boxes
+from etcslurm.errors import LayoutError, UsageError
+from etcslurm.megatron_state import (
     buffer_layout,
     expand,
     padded_vocab,
     rank_pieces,
     stage_params,
 )
-from etcslurm.core.layout import ParallelConfig, choose_config, parse_ranges, valid_configs
-from etcslurm.core.models import PRESETS, GPTSpec
-from etcslurm.core.state import Piece, box_numel, flat_range_boxes
-from etcslurm.errors import LayoutError, UsageError
 
 
 def test_rank_order_is_megatron_tp_dp_pp():

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from etcslurm.core import gpt_state
+from etcslurm import megatron_state as gpt_state
 from etcslurm.core.layout import ParallelConfig, valid_configs
 from etcslurm.core.memory import (
     GRAD_BYTES,

@@ -12,12 +12,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from etcslurm.core import planner as planner_mod
 from etcslurm.core.layout import ParallelConfig, valid_configs
 from etcslurm.core.models import GPTSpec
-from etcslurm.core.planner import MigrationPlan, PlanInputs, gpt_inputs, plan
+from etcslurm.core.plan import MigrationPlan, PlanInputs, plan
+from etcslurm.core.plan import schedule as schedule_mod
+from etcslurm.core.plan import sources as sources_mod
 from etcslurm.core.state import Piece, box_relative, locate
 from etcslurm.errors import UsageError
+from etcslurm.megatron_state.planning import gpt_inputs
 
 SPEC = GPTSpec(layers=4, hidden=32, heads=4, ffn=64, vocab=200, seq=16)
 
@@ -157,14 +159,14 @@ def test_plan_is_identical_across_processes():
     code = (
         "from etcslurm.core.models import GPTSpec;"
         "from etcslurm.core.layout import ParallelConfig as P;"
-        "from etcslurm.core.planner import plan_for_gpt;"
+        "from etcslurm.megatron_state.planning import plan_for_gpt;"
         "s=GPTSpec(layers=4,hidden=32,heads=4,ffn=64,vocab=200,seq=16);"
         "print(plan_for_gpt(s,P(2,1,4),P(4,1,2),['1','6'],2,2,'distributed',5000)"
         ".dumps(with_time=False))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout.strip()
-    from etcslurm.core.planner import plan_for_gpt
+    from etcslurm.megatron_state.planning import plan_for_gpt
 
     here = plan_for_gpt(SPEC, old, new, ["1", "6"], 2, 2, "distributed", 5000)
     assert out == here.dumps(with_time=False)
@@ -265,14 +267,15 @@ def test_any_holdings_are_delivered_exactly_once_at_the_lower_bound(case):
             p.stats["missing_bytes"]
 
 
-# ---------------------------------------------------------------- issue 17: fast = reference
+# ---------------------------------------------------------------- fast = reference
 # The planner's fast parts against straightforward versions of the same rules: the same
 # plan JSON, byte for byte.
 class _LinearPicker:
-    """The source rule slice by slice, as :class:`planner._SourcePicker` states it: the
-    candidates are the live holders on the receiver's node (every live holder when none
-    is), the best the least loaded (ties to the lowest device); the receiver's previous
-    source keeps the slice while it is a candidate within ``slack`` of the best."""
+    """The source rule slice by slice, as :class:`~etcslurm.core.plan.picker.SourcePicker`
+    states it: the candidates are the live holders on the receiver's node (every live
+    holder when none is), the best the least loaded (ties to the lowest device); the
+    receiver's previous source keeps the slice while it is a candidate within ``slack``
+    of the best."""
 
     def __init__(self, node_of, n_dev, slack):
         self.node_of, self.slack, self.load = node_of, slack, [0] * n_dev
@@ -286,15 +289,13 @@ class _LinearPicker:
         return src, start + 1
 
 
-def _scan_schedule(chunks, leaving, dev_key=None):
-    """The original first-fit: scan rounds from 0 until sender and receiver are free."""
-    from etcslurm.core.planner import _dev_key
-
+def _scan_schedule(chunks, leaving, n_dev):
+    """First fit by a scan: rounds from 0 until sender and receiver are free (devices are
+    the planner's ints, in device-key order)."""
     leaving = set(leaving)
-    key = _dev_key if dev_key is None else dev_key.__getitem__  # the planner's device ids
     order = sorted(range(len(chunks)),
                    key=lambda k: (chunks[k][0] not in leaving, -chunks[k][3],
-                                  key(chunks[k][0]), key(chunks[k][1]), k))
+                                  chunks[k][0], chunks[k][1], k))
     sending, receiving, out = defaultdict(set), defaultdict(set), []
     for k in order:
         src, dst = chunks[k][0], chunks[k][1]
@@ -309,8 +310,8 @@ def _scan_schedule(chunks, leaving, dev_key=None):
 
 def reference_plan(inputs: PlanInputs) -> MigrationPlan:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(planner_mod, "_SourcePicker", _LinearPicker)
-        mp.setattr(planner_mod, "_schedule", _scan_schedule)
+        mp.setattr(sources_mod, "SourcePicker", _LinearPicker)
+        mp.setattr(schedule_mod, "first_fit", _scan_schedule)
         return plan(inputs)
 
 
@@ -325,7 +326,7 @@ def test_fast_planner_matches_the_reference(sc):
 @pytest.mark.parametrize("opt", ["adam", "distributed"])
 @pytest.mark.parametrize("staging", [10_000, 10**9])
 def test_stage_leave_matches_the_reference(opt, staging):
-    # the issue-17 hot spot in small: the last pipeline stage leaves, every receiver of
+    # the planner's hot spot in small: the last pipeline stage leaves, every receiver of
     # its state picks among all of that stage's DP replicas
     spec = GPTSpec(layers=8, hidden=32, heads=4, ffn=64, vocab=200, seq=16)
     old, new = ParallelConfig(2, 4, 8), ParallelConfig(2, 4, 6)
@@ -343,7 +344,8 @@ def test_stage_leave_matches_the_reference(opt, staging):
 def test_cover_matches_every_pair_of_pieces(sc, dead):
     # what each new piece is made of, found with numpy windows, against every (old, new)
     # pair of pieces of a key intersected one by one
-    from etcslurm.core.planner import _cover, _Index
+    from etcslurm.core.plan.index import Index
+    from etcslurm.core.plan.overlap import cover
     from etcslurm.core.state import box_intersect, box_subtract
 
     spec, old, new, leave, join, opt, staging, gpn = sc
@@ -351,9 +353,9 @@ def test_cover_matches_every_pair_of_pieces(sc, dead):
     for blocks in (inputs.old_blocks, inputs.new_blocks):  # some rows nobody holds
         for pieces in blocks[:dead]:
             pieces[:] = [p for p in pieces if "embedding" not in p.key]
-    o = _Index(inputs.old_blocks, inputs.old_class_blocks)
-    n = _Index(inputs.new_blocks, inputs.new_class_blocks)
-    made_of, uncovered, terms = _cover(o, n)
+    o = Index(inputs.old_blocks, inputs.old_class_blocks)
+    n = Index(inputs.new_blocks, inputs.new_class_blocks)
+    made_of, uncovered, terms = cover(o, n)
     sums: dict[tuple[int, int], int] = defaultdict(int)
     for j, p in enumerate(n.pieces):
         want, regions = [], [p.box]
@@ -408,7 +410,7 @@ def test_assignment_by_blocks_is_as_good_as_one_solve(seed):
     # matching, by blocks or not, is worth exactly what one dense solve finds
     from scipy.optimize import linear_sum_assignment
 
-    from etcslurm.core.planner import _assign, _blocks
+    from etcslurm.core.plan.matching import blocks, match
 
     rng = np.random.default_rng(seed)
     k, rows, cols = rng.integers(2, 6), rng.integers(80, 120), rng.integers(80, 120)
@@ -421,12 +423,12 @@ def test_assignment_by_blocks_is_as_good_as_one_solve(seed):
         w = w[: k * rows - rows // 2]  # or not, depending on the devices per class)
     dev = rng.permutation(np.repeat(np.arange(w.shape[0]), rng.integers(1, 3, w.shape[0])))
     rank = rng.permutation(np.arange(w.shape[1]))
-    pairs = _assign(w, dev.tolist(), rank.tolist())
+    pairs = match(w, dev.tolist(), rank.tolist())
     m = w[np.ix_(dev, rank)]
     r, c = linear_sum_assignment(m, maximize=True)
     assert sum(m[a, b] for a, b in pairs) == m[r, c].sum()
     assert len({a for a, _ in pairs}) == len(pairs) == len({b for _, b in pairs})
-    used = _blocks(w, dev, rank)
+    used = blocks(w, dev, rank)
     if seed % 3 == 0:  # provably separable: solved by blocks
         assert used is not None and len(used) == k
     if seed % 3 == 1:  # not provable: one solve
@@ -441,7 +443,7 @@ def test_blocks_whose_first_row_does_not_show_them(seed):
     # row separates the blocks, the largest threshold that leaves no rank alone does
     from scipy.optimize import linear_sum_assignment
 
-    from etcslurm.core.planner import _assign, _blocks
+    from etcslurm.core.plan.matching import blocks, match
 
     rng = np.random.default_rng(seed)
     n = int(rng.integers(100, 140))
@@ -451,9 +453,9 @@ def test_blocks_whose_first_row_does_not_show_them(seed):
     w[0, n:] += 2_000
     dev = rng.permutation(np.arange(2 * n))
     rank = rng.permutation(np.arange(2 * n))
-    blocks = _blocks(w, dev, rank)
-    assert blocks is not None and len(blocks) == 2
-    pairs = _assign(w, dev.tolist(), rank.tolist())
+    found = blocks(w, dev, rank)
+    assert found is not None and len(found) == 2
+    pairs = match(w, dev.tolist(), rank.tolist())
     m = w[np.ix_(dev, rank)]
     r, c = linear_sum_assignment(m, maximize=True)
     assert sum(m[a, b] for a, b in pairs) == m[r, c].sum()
@@ -462,8 +464,8 @@ def test_blocks_whose_first_row_does_not_show_them(seed):
 def test_box_helpers_match_box_intersect():
     import random
 
-    from etcslurm.core.planner import _common_numel, _intersect, _meets, _piece, _subtract_inside
-    from etcslurm.core.state import box_intersect, box_numel, box_subtract
+    from etcslurm.core.plan.overlap import new_piece, subtract_inside
+    from etcslurm.core.state import box_intersect, box_intersect_same_rank, box_numel, box_subtract
 
     rng = random.Random(0)
     for _ in range(2000):
@@ -472,15 +474,13 @@ def test_box_helpers_match_box_intersect():
         b = tuple(sorted(rng.sample(range(8), 2)) for _ in range(nd))
         a, b = tuple(map(tuple, a)), tuple(map(tuple, b))
         inter = box_intersect(a, b)
-        assert _intersect(a, b) == inter
-        assert _meets(a, b) == (inter is not None)
-        p = _piece("k", a, "bfloat16")  # the fast constructor makes the same Piece
+        assert box_intersect_same_rank(a, b) == inter
+        p = new_piece("k", a, "bfloat16")  # the fast constructor makes the same Piece
         assert p == Piece("k", a, "bfloat16") and hash(p) == hash(Piece("k", a, "bfloat16"))
         assert p.nbytes == Piece("k", a, "bfloat16").nbytes == 2 * box_numel(a)
         assert p.to_json() == Piece("k", a, "bfloat16").to_json()
-        assert _common_numel(a, b) == (box_numel(inter) if inter else 0)
         if inter:
-            assert _subtract_inside(a, inter) == box_subtract(a, b)
+            assert subtract_inside(a, inter) == box_subtract(a, b)
 
 
 def test_source_picker_matches_the_slice_by_slice_rule():
@@ -488,14 +488,14 @@ def test_source_picker_matches_the_slice_by_slice_rule():
     # continuing from its previous source: the fast picker's runs are the rule's choices
     import random
 
-    from etcslurm.core.planner import _SourcePicker
+    from etcslurm.core.plan.picker import SourcePicker
 
     rng = random.Random(1)
     n_dev = 40
     node_of = [d // rng.choice([1, 4, 8]) for d in range(n_dev)]
     sets = [sorted(rng.sample(range(n_dev), rng.randint(2, 12))) for _ in range(6)]
     for slack in (0, 50, 5000):
-        fast, slow = _SourcePicker(node_of, n_dev, slack), _LinearPicker(node_of, n_dev, slack)
+        fast, slow = SourcePicker(node_of, n_dev, slack), _LinearPicker(node_of, n_dev, slack)
         prev_fast = prev_slow = -1
         for _ in range(400):
             if rng.random() < 0.2:  # a new receiver: no previous source
@@ -519,7 +519,7 @@ def test_source_picker_matches_the_slice_by_slice_rule():
         assert fast.load == slow.load
 
 
-# ---------------------------------------------------------------- issue 17: a rank's part
+# ---------------------------------------------------------------- a rank's part
 def _share(p: MigrationPlan, device: str) -> tuple:
     """What ``device`` does under plan ``p``: its messages (rounds included), local copies
     and missing pieces, as JSON."""

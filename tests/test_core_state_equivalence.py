@@ -1,9 +1,9 @@
-"""The analytic expansion (core.gpt_state) equals the live megatron-core metadata.
+"""The analytic expansion (megatron_state) equals the live megatron-core metadata.
 
 Four gloo processes build real megatron-core GPT models + optimizers (through the
 etcslurm.megatron adapter: DDP buffers, DistributedOptimizer shards) for several layouts and
 report the pieces each rank holds (``local_state(trainee).pieces``); the test compares them
-with :func:`etcslurm.core.gpt_state.rank_pieces` for the same rank, piece for piece.
+with :func:`etcslurm.megatron_state.rank_pieces` for the same rank, piece for piece.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from etcslurm.core.gpt_state import rank_pieces
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.state import Piece
+from etcslurm.megatron_state import rank_pieces
 from tests.helpers import run_ranks
 
 pytest.importorskip("megatron.core")

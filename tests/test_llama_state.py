@@ -4,7 +4,7 @@ the analytic state and megatron-core's live state agree.
 The slow test starts four gloo processes that build real megatron-core models and
 optimizers (through ``etcslurm.megatron.model.build_gpt``) for every case below and report
 the pieces each rank holds (``local_state(trainee).pieces``, ShardedTensorFactory entries
-applied); each must equal :func:`etcslurm.core.gpt_state.rank_pieces` for that rank.
+applied); each must equal :func:`etcslurm.megatron_state.rank_pieces` for that rank.
 """
 
 from __future__ import annotations
@@ -17,7 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from etcslurm.core.gpt_state import (
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.models import PRESETS, GPTSpec
+from etcslurm.core.state import Piece
+from etcslurm.errors import UsageError
+from etcslurm.megatron_state import (
     expand,
     padded_vocab,
     rank_pieces,
@@ -26,10 +30,6 @@ from etcslurm.core.gpt_state import (
     vocab_padding,
     vocab_rows,
 )
-from etcslurm.core.layout import ParallelConfig
-from etcslurm.core.models import PRESETS, GPTSpec
-from etcslurm.core.state import Piece
-from etcslurm.errors import UsageError
 from tests.helpers import run_ranks
 
 LLAMA = PRESETS["llama-tiny"]
@@ -173,7 +173,7 @@ def test_swiglu_fc1_is_two_factory_halves() -> None:
 
 # ------------------------------------------------------------------ vocabulary padding
 def test_vocab_padding_rows_are_filled_not_lost() -> None:
-    from etcslurm.core.planner import plan_for_gpt
+    from etcslurm.megatron_state.planning import plan_for_gpt
 
     spec = PRESETS["gpt-125m"]
     old, new = ParallelConfig.parse("tp2pp1dp3"), ParallelConfig.parse("tp3pp1dp2")
@@ -340,7 +340,7 @@ def test_vocab_fill_matches_megatron_resharded_load(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core")
     import torch
 
-    from etcslurm.core.planner import plan_for_gpt
+    from etcslurm.megatron_state.planning import plan_for_gpt
 
     old, new = ParallelConfig.parse("tp1pp1dp3"), ParallelConfig.parse("tp3pp1dp1")
     run_ranks(ORACLE, 3, lambda r: [str(tmp_path / "out.pt"), json.dumps(TP3.to_json()),

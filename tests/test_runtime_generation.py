@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 
 from etcslurm.coord.records import Assignment, ChangeRequest, GenerationRecord
-from etcslurm.core.gpt_state import expand
 from etcslurm.core.layout import NoLayoutFits, ParallelConfig
 from etcslurm.core.models import GPTSpec
-from etcslurm.core.planner import plan
+from etcslurm.core.plan import plan
 from etcslurm.errors import UsageError
+from etcslurm.megatron_state import expand
 from etcslurm.runtime.generation import (
     STANDBY,
     LayoutSettings,

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from etcslurm.core.planner import MigrationPlan
+from etcslurm.core.plan import MigrationPlan
 from etcslurm.core.state import Piece
 from etcslurm.runtime.plans import _split_fill
 
@@ -38,7 +38,7 @@ def test_the_analytic_plan_fills_new_vocab_rows_and_refuses_a_lost_piece() -> No
     """Planning from the analytic model: vocabulary rows no old layout had become this
     participant's zero-fill; a piece nobody holds contradicts the decider (who found
     nothing lost) and is refused, naming it; the totals reported are the decider's."""
-    from etcslurm.core.planner import PlanInputs
+    from etcslurm.core.plan import PlanInputs
     from etcslurm.errors import MigrationError
     from etcslurm.runtime.plans import analytic_plan
 

@@ -135,7 +135,7 @@ def test_the_analytic_plan_is_the_decider_s_own_part() -> None:
     decider's; vocabulary rows no old layout had are to be zero-filled, not lost."""
     from types import SimpleNamespace
 
-    from etcslurm.core.planner import plan
+    from etcslurm.core.plan import plan
     from etcslurm.runtime.generation import plan_inputs
     from etcslurm.runtime.plans import plan_analytically
 

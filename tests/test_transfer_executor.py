@@ -178,7 +178,8 @@ def test_plans_made_for_a_staging_cap_fit_it_in_the_executor(direct_min: int) ->
     one receive per device, plus layout and checksum words) must then stay under cap."""
     from etcslurm.core.layout import ParallelConfig
     from etcslurm.core.models import PRESETS
-    from etcslurm.core.planner import message_cap, plan_for_gpt
+    from etcslurm.core.plan import message_cap
+    from etcslurm.megatron_state.planning import plan_for_gpt
 
     spec = PRESETS["gpt-tiny"]
     for cap in (64 << 10, 1 << 20):

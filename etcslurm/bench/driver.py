@@ -130,7 +130,7 @@ class MigrateRequest:
             "steps_after": self.steps_after,
             "global_batch": self.global_batch or math.lcm(old.dp, new.dp),
             # bounds a round's send + receive staging (the planner's message cap is half
-            # of it, less alignment and checksum words: core.planner.message_cap)
+            # of it, less alignment and checksum words: core.plan.message_cap)
             "staging_bytes": staging,
             "direct_min_bytes": self.direct_min_bytes,
             "reference": self.reference,

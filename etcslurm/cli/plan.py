@@ -45,8 +45,9 @@ def run(args: argparse.Namespace) -> int:
     from etcslurm.core.layout import LayoutRules, ParallelConfig, parse_ranges
     from etcslurm.core.memory import TrainingSetup
     from etcslurm.core.models import GPTSpec
-    from etcslurm.core.planner import gpt_inputs, plan
+    from etcslurm.core.plan import plan
     from etcslurm.errors import UsageError
+    from etcslurm.megatron_state.planning import gpt_inputs
 
     spec = GPTSpec.parse(args.model)
     old = ParallelConfig.parse(args.old)

@@ -3,7 +3,7 @@
 At a resize every participant describes what it holds (the old model and optimizer) and,
 if it has a rank in the new layout, what it needs (the new model, built before the
 exchange); the descriptions travel as compact JSON (never pickle) and every participant
-turns the same descriptions into the same :class:`~etcslurm.core.planner.PlanInputs`.
+turns the same descriptions into the same :class:`~etcslurm.core.plan.PlanInputs`.
 Participants with identical holdings (data-parallel replicas) share one class, so the
 planner's work grows with distinct holdings, not with devices.
 
@@ -18,7 +18,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from etcslurm.core.planner import PlanInputs
+from etcslurm.core.plan import PlanInputs
 from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError
 

@@ -3,7 +3,7 @@
 The state is what megatron-core allocates for a :class:`GPTSpec` under a layout:
 
 * params: the rank's own elements in the model's dtype, counted exactly as
-  :mod:`etcslurm.core.gpt_state` lays them out (TP splits, the pipeline stage's layers,
+  :mod:`etcslurm.megatron_state` lays them out (TP splits, the pipeline stage's layers,
   the embedding on the first stage, the output layer -- or the tied embedding's copy --
   on the last, a MoE layer's experts split over EP);
 * grads: megatron's DDP gradient buffer, fp32 (``grad_reduce_in_fp32=True``), one element
@@ -13,7 +13,7 @@ The state is what megatron-core allocates for a :class:`GPTSpec` under a layout:
   optimizer (ZeRO-1) keeps ``1/dp`` of the dense params' state and ``1/edp`` of the
   experts' (their own DDP buffer, sharded over expert DP, when ``ep`` > 1).  megatron pads
   every param to 64 elements and each buffer to ``lcm(dp, 128)``; the shards here are the
-  unpadded ``elements / dp``, so a rank's exact state (``gpt_state``) is at most that
+  unpadded ``elements / dp``, so a rank's exact state (``megatron_state``) is at most that
   padding's share above them.
 
 Activations follow Megatron-LM's ``report_theoretical_memory`` (Korthikanti et al.,

@@ -1,7 +1,7 @@
 """Model specifications: the shapes that decide what every rank holds.
 
 A :class:`GPTSpec` is all the planner needs to know about a dense megatron-core GPT-family
-model: from it :mod:`etcslurm.core.gpt_state` expands, analytically, the exact sharded
+model: from it :mod:`etcslurm.megatron_state` expands, analytically, the exact sharded
 tensors megatron-core creates for any TP/PP/DP layout -- so a plan for 10k GPUs needs no
 GPU and no model.
 

@@ -7,7 +7,7 @@ same initial weights for every TP split of one seed), and a vocabulary padded
 independently of TP (:func:`padded_vocab`), so every global tensor has the same shape in
 every layout whose TP divides 8.
 
-The architecture is the :class:`GPTSpec`'s, which ``core.gpt_state`` expands
+The architecture is the :class:`GPTSpec`'s, which ``megatron_state`` expands
 analytically: GPT-2 style (MHA, GELU, LayerNorm, learned positions, biases) or Llama
 style (``num_query_groups``, ``gated_linear_unit=True`` + SiLU, ``normalization=
 "RMSNorm"``, ``position_embedding_type="rope"``, untied output layer,
@@ -122,7 +122,7 @@ def _marks_only() -> Iterator[None]:
 def padded_vocab(spec: GPTSpec, tp: int | None = None) -> int:
     """The embedding's row count: a multiple of 128·8 = 1024, the same in every layout
     whose TP divides 8; under TP ``tp`` padded further to a multiple of 128·tp (as
-    ``core.gpt_state.padded_vocab``), e.g. for TP 3."""
+    ``megatron_state.padded_vocab``), e.g. for TP 3."""
     rows = spec.padded_vocab(VOCAB_TP_MULTIPLE)
     if tp is not None:
         rows = -(-rows // (128 * tp)) * (128 * tp)
@@ -322,7 +322,7 @@ def build_gpt(
     """
     if optimizer not in OPTIMIZERS:
         raise UsageError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
-    from etcslurm.core.gpt_state import check_model
+    from etcslurm.megatron_state import check_model
 
     dtype = torch_dtype(spec, dtype)
     check_model(spec, config)

@@ -306,7 +306,7 @@ def _distributed_pieces(mopt: Any, metas: dict[int, ParamMeta], add: Any) -> Non
 def zero_fill(state: LocalState, slices: list[Piece]) -> int:
     """Zero ``slices`` of this rank's NEW state; returns the bytes written.
 
-    For the vocabulary rows no old rank holds (``core.gpt_state.split_vocab_fill``'s
+    For the vocabulary rows no old rank holds (``megatron_state.split_vocab_fill``'s
     ``fill``): megatron-core's resharded checkpoint load leaves them at zero in the params,
     the fp32 main params and both Adam moments, so a migration does the same.  Each slice
     must lie inside one piece of ``state`` (planned slices do).

@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from etcslurm.coord.records import Assignment, ChangeRequest, GenerationRecord
-from etcslurm.core.gpt_state import expand, padded_vocab, split_vocab_fill
 from etcslurm.core.layout import (
     LayoutDecision,
     LayoutFilter,
@@ -34,9 +33,10 @@ from etcslurm.core.layout import (
 )
 from etcslurm.core.memory import DEFAULT_MARGIN, TrainingSetup
 from etcslurm.core.models import GPTSpec
-from etcslurm.core.planner import MigrationPlan, PlanInputs, message_cap, plan
+from etcslurm.core.plan import MigrationPlan, PlanInputs, message_cap, plan
 from etcslurm.core.state import Piece
 from etcslurm.errors import LayoutError
+from etcslurm.megatron_state import expand, padded_vocab, split_vocab_fill
 from etcslurm.runtime.config import RunSettings
 
 #: the decider's plan totals a record carries (``plan_stats``): what every participant
@@ -230,7 +230,7 @@ def decider_plan(inputs: PlanInputs) -> MigrationPlan:
 def lost_pieces(migration: MigrationPlan, old_vocab_rows: int | dict[str, int]) -> list[Piece]:
     """The pieces of a plan's ``missing`` that are really lost: vocabulary rows that no
     old layout had (a TP change grew the padded vocabulary) are filled, not lost
-    (:func:`etcslurm.core.gpt_state.split_vocab_fill`)."""
+    (:func:`etcslurm.megatron_state.split_vocab_fill`)."""
     missing = [p for pieces in migration.missing.values() for p in pieces]
     return split_vocab_fill(missing, old_vocab_rows)[1]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from etcslurm.coord.records import GenerationRecord
 from etcslurm.core.layout import ParallelConfig
-from etcslurm.core.planner import MigrationPlan
+from etcslurm.core.plan import MigrationPlan
 from etcslurm.core.state import Piece
 from etcslurm.runtime.generation import LayoutSettings
 from etcslurm.runtime.migration import MigrationJob

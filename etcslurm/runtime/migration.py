@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from etcslurm.core.layout import ParallelConfig
-from etcslurm.core.planner import MigrationPlan
+from etcslurm.core.plan import MigrationPlan
 from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError, WaitTimeout
 from etcslurm.groups import lifecycle as groups

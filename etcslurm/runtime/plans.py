@@ -13,7 +13,7 @@ from typing import Any
 
 from etcslurm.coord.records import GenerationRecord
 from etcslurm.core.layout import ParallelConfig
-from etcslurm.core.planner import MigrationPlan, PlanInputs, message_cap
+from etcslurm.core.plan import MigrationPlan, PlanInputs, message_cap
 from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError, StateLostError
 from etcslurm.runtime.generation import LayoutSettings, plan_inputs
@@ -35,7 +35,7 @@ def live_plan(migration: Migration, *, nodes: dict[str, str], leaving: list[str]
     everywhere; the pieces themselves are in ``missing`` where they are known),
     ``moved_bytes`` and ``local_bytes`` (the whole move's, as reported)."""
     from etcslurm.core.descriptions import inputs_from_descriptions
-    from etcslurm.core.planner import plan
+    from etcslurm.core.plan import plan
     from etcslurm.transfer.describe import exchange_descriptions, sum_over
 
     job = migration.job
@@ -79,8 +79,8 @@ def analytic_plan(migration: Migration, inputs: PlanInputs, *, assignment: list[
     no old layout had are zero-filled (``migration.fill``).  ``totals``: the decider's
     whole-move ``moved_bytes``/``local_bytes`` (the record's ``plan_stats``), reported
     instead of this part's."""
-    from etcslurm.core.gpt_state import split_vocab_fill
-    from etcslurm.core.planner import plan
+    from etcslurm.core.plan import plan
+    from etcslurm.megatron_state import split_vocab_fill
 
     job = migration.job
     result = plan(inputs, assignment=assignment, for_device=job.me)
@@ -104,7 +104,7 @@ def analytic_plan(migration: Migration, inputs: PlanInputs, *, assignment: list[
 def _split_fill(migration: Migration, result: MigrationPlan, old_pieces: list[Piece]) -> None:
     """Vocabulary rows that no old rank ever held are not lost: they are zero-filled
     (``migration.fill``); ``result.missing`` keeps only what is really lost."""
-    from etcslurm.core.gpt_state import split_vocab_fill, vocab_rows
+    from etcslurm.megatron_state import split_vocab_fill, vocab_rows
 
     if not result.missing:
         return
@@ -124,7 +124,7 @@ def plan_analytically(settings: LayoutSettings, record: GenerationRecord,
     """The plan of ``record`` for etcslurm's own model: from the analytic inputs the
     decider planned from, with its assignment (no descriptions exchanged; the holdings
     check compares the live state with the same model)."""
-    from etcslurm.core.gpt_state import padded_vocab
+    from etcslurm.megatron_state import padded_vocab
 
     old_tp = ParallelConfig.parse(record.from_layout or record.to_layout).tp
     return analytic_plan(

@@ -209,7 +209,7 @@ class World:
 
     def expected_pieces(self, layout: ParallelConfig, rank: int) -> Iterable[Piece]:
         """The pieces the planner assumes ``rank`` of ``layout`` holds."""
-        from etcslurm.core.gpt_state import rank_pieces
+        from etcslurm.megatron_state import rank_pieces
 
         return rank_pieces(self.settings.model, layout, rank, self.settings.optimizer)
 
