@@ -44,7 +44,7 @@ from etcslurm.coord.coordinator import Coordinator
 from etcslurm.coord.records import ChangeRequest
 from etcslurm.coord.server import BundledRedis
 from etcslurm.core.layout import ParallelConfig
-from etcslurm.runtime.launcher import DemoOptions, DemoResult, run_demo
+from etcslurm.local.launcher import DemoOptions, DemoResult, run_demo
 
 #: table columns: (title, the phases of migration.done it sums)
 COLUMNS = (

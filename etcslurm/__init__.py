@@ -16,6 +16,8 @@ _LAZY = {
     "run_worker": "etcslurm.runtime.session",
     "RunSettings": "etcslurm.runtime.config",
     "WorkerOptions": "etcslurm.runtime.config",
+    "worker_arguments": "etcslurm.runtime.worker",
+    "worker_options": "etcslurm.runtime.worker",
     "Hooks": "etcslurm.hooks",
     # models and layouts
     "GPTSpec": "etcslurm.core.models",

@@ -34,7 +34,7 @@ def forked_children_die_with_us(sig: int = signal.SIGKILL) -> None:
     Why: ``PR_SET_PDEATHSIG`` is cleared in a forked child.  megatron's checkpoint writer
     forks its file-writing workers; when a trainer was killed its writer died with it, but
     a worker forked by the writer stayed, blocked in a queue's lock, holding ~300 MB of
-    shared memory (seen after the rollback test, 12-03).  libc's ``prctl`` is looked up
+    shared memory (seen after a rollback test).  libc's ``prctl`` is looked up
     here, before any fork: the child only calls it (no ``dlopen`` after a fork).
     """
     try:

@@ -1,17 +1,17 @@
-"""Pretrain a small Llama-style model with megatron-core; plain, or elastic with etcslurm.
+"""Pretrain a small Llama-style model with megatron-core; plain, or elastic.
 
 ``examples/pretrain_llama_plain.py`` is a plain megatron-core training loop;
-``examples/pretrain_llama.py`` is the same loop made elastic with etcslurm (the README,
-"Your own model", shows the diff).  Its own model (megatron-core ``GPTModel``, local layer
-spec: grouped-query attention, SwiGLU, RMSNorm, RoPE, untied output layer), its own
-optimizer (``get_megatron_optimizer``) and LR scheduler, and megatron-core's own data
-pipeline: ``GPTDataset`` through ``BlendedMegatronDatasetBuilder`` on a small indexed
-dataset this script writes (``IndexedDatasetBuilder``).  Each step reads the next global
-batch from the consumed-samples counter, in the order of Megatron-LM's pretraining sampler,
-so after a restart or a resize (any data-parallel size) training continues with the next
-unseen sample.
+``examples/pretrain_llama.py`` is the same loop made elastic (the README, "Adopt it in
+your loop", shows the diff).  Its own model (megatron-core
+``GPTModel``, local layer spec: grouped-query attention, SwiGLU, RMSNorm, RoPE, untied
+output layer), its own optimizer (``get_megatron_optimizer``) and LR scheduler, and
+megatron-core's own data pipeline: ``GPTDataset`` through ``BlendedMegatronDatasetBuilder``
+on a small indexed dataset this script writes (``IndexedDatasetBuilder``).  Each step
+reads the next global batch from the consumed-samples counter, in the order of
+Megatron-LM's pretraining sampler, so after a restart or a resize (any data-parallel
+size) training continues with the next unseen sample.
 
-    torchrun --nproc-per-node 2 examples/pretrain_llama_plain.py --layout tp1pp1dp2
+    torchrun --nproc-per-node 2 examples/pretrain_llama_plain.py --tp 1 --pp 1
     python examples/pretrain_llama.py --run r1 --redis URL --password-file F --workers 2  # x2
 """
 
@@ -21,6 +21,7 @@ import argparse
 import fcntl
 import json
 import os
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,26 +31,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
-
-from etcslurm import ElasticSession, RunSettings
-from etcslurm.core.layout import ParallelConfig
-from etcslurm.core.models import GPTSpec
-from etcslurm.megatron.cpu_shim import install_if_needed
-from etcslurm.megatron.model import Trainee, TrainHyper
-from etcslurm.runtime.worker import options_from_args
-from etcslurm.runtime.worker import parser as worker_parser
+from etcslurm import ElasticSession, RunSettings, worker_arguments, worker_options
 
 VOCAB_MULTIPLE = 1024  # pad the vocabulary independently of TP (global shapes never change)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = worker_parser()  # etcslurm's worker flags: --run, --redis, --run-dir, --node, ...
-    p.add_argument("--workers", type=int, default=1, help="workers that start the run")
-    return add_training_args(p)
-
-
-def add_training_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--model", default="llama-tiny", help="shapes: a preset or layers=..,hidden=..")
+    p = argparse.ArgumentParser(description="Pretrain a small Llama with megatron-core.")
+    p.add_argument("--run-dir", default=".")
+    worker_arguments(p)  # --run, --redis, --workers, ...: etcslurm chooses the layout
+    # the model's shapes (a small Llama: grouped-query attention with 2 groups)
+    for name, default in (("layers", 4), ("hidden", 64), ("heads", 4), ("query-groups", 2),
+                          ("ffn", 128), ("vocab", 1000), ("seq", 64)):
+        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--optimizer", choices=("adam", "distributed"), default="adam")
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--micro-batch", type=int, default=1)
@@ -60,10 +54,18 @@ def add_training_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+@dataclass
+class Progress:
+    """The data position: steps done and samples consumed (the next batch's start)."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
 # ---------------------------------------------------------------------------- model
-def build(spec: GPTSpec, layout: ParallelConfig, settings: Any) -> Trainee:
-    """This rank's Llama (model chunks, optimizer, LR scheduler) for ``layout``;
-    ``parallel_state`` is initialised for it.  Same seed -> same global weights."""
+def build(args: argparse.Namespace) -> tuple[list[Any], Any, Any]:
+    """This rank's Llama (model chunks, optimizer, LR scheduler) for the layout
+    ``parallel_state`` is initialised for.  Same seed -> same global weights."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -76,46 +78,43 @@ def build(spec: GPTSpec, layout: ParallelConfig, settings: Any) -> Trainee:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    torch.manual_seed(settings.seed)
-    model_parallel_cuda_manual_seed(settings.seed)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
     config = TransformerConfig(
-        num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
-        num_query_groups=spec.query_groups, ffn_hidden_size=spec.ffn,
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        num_query_groups=args.query_groups, ffn_hidden_size=args.ffn,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         pipeline_dtype=torch.float32, use_cpu_initialization=True, init_method_std=0.02,
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
     )
     gpt = GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=-(-spec.vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
-        max_sequence_length=spec.seq, position_embedding_type="rope",
+        vocab_size=-(-args.vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        max_sequence_length=args.seq, position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
     ).to("cuda" if torch.cuda.is_available() else "cpu")
-    distributed = settings.optimizer == "distributed"
+    distributed = args.optimizer == "distributed"
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                         use_distributed_optimizer=distributed)
     model = [DistributedDataParallel(config=config, ddp_config=ddp, module=gpt)]
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync
-    hyper = TrainHyper(lr=settings.lr, min_lr=settings.lr / 10, warmup_steps=2, decay_steps=1000,
-                       global_batch=settings.global_batch, micro_batch=settings.micro_batch)
+    min_lr, warmup, decay, wd = args.lr / 10, 2, 1000, 0.01
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=hyper.lr, min_lr=hyper.min_lr,
-                        weight_decay=hyper.weight_decay, adam_beta2=hyper.adam_beta2,
-                        clip_grad=hyper.clip_grad, use_distributed_optimizer=distributed),
+        OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=min_lr, weight_decay=wd,
+                        adam_beta2=0.95, clip_grad=1.0, use_distributed_optimizer=distributed),
         model, use_gloo_process_groups=dist.get_backend() != "gloo")
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=hyper.lr, min_lr=hyper.min_lr,
-        lr_warmup_steps=hyper.warmup_steps * hyper.global_batch,
-        lr_decay_steps=hyper.decay_steps * hyper.global_batch, lr_decay_style="cosine",
-        start_wd=hyper.weight_decay, end_wd=hyper.weight_decay,
-        wd_incr_steps=hyper.decay_steps * hyper.global_batch, wd_incr_style="constant")
-    return Trainee(model, optimizer, scheduler, spec, layout, settings.optimizer,
-                   settings.seed, torch.float32, hyper)
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=min_lr,
+        lr_warmup_steps=warmup * args.global_batch, lr_decay_steps=decay * args.global_batch,
+        lr_decay_style="cosine", start_wd=wd, end_wd=wd,
+        wd_incr_steps=decay * args.global_batch, wd_incr_style="constant")
+    return model, optimizer, scheduler
 
 
 # ---------------------------------------------------------------------------- data
@@ -127,7 +126,7 @@ class Tokenizer:
         self.unique_identifiers = {"class": "Tokenizer", "vocab_size": vocab}
 
 
-def build_dataset(spec: GPTSpec, seed: int, samples: int, data_dir: str) -> Any:
+def build_dataset(args: argparse.Namespace) -> Any:
     """megatron-core's ``GPTDataset`` over a small corpus written here (once: a file lock
     keeps concurrent workers from writing it, or its index cache, twice)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
@@ -136,7 +135,8 @@ def build_dataset(spec: GPTSpec, seed: int, samples: int, data_dir: str) -> Any:
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    prefix = Path(data_dir) / "corpus"
+    seed, vocab = args.seed, args.vocab
+    prefix = Path(args.data_dir or args.run_dir) / "corpus"
     prefix.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{prefix}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -145,29 +145,30 @@ def build_dataset(spec: GPTSpec, seed: int, samples: int, data_dir: str) -> Any:
             builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.int32)
             for _ in range(4096):  # documents of 21-200 tokens: learnable progressions
                 n, start, stride = torch.randint(20, 200, (3,), generator=gen).tolist()
-                doc = (start + (stride % 7 + 1) * torch.arange(n)) % (spec.vocab - 1)
-                builder.add_document(torch.cat([doc, torch.tensor([spec.vocab - 1])]), [n + 1])
+                doc = (start + (stride % 7 + 1) * torch.arange(n)) % (vocab - 1)
+                builder.add_document(torch.cat([doc, torch.tensor([vocab - 1])]), [n + 1])
             builder.finalize(f"{prefix}.idx")
         config = GPTDatasetConfig(
-            random_seed=seed, sequence_length=spec.seq, blend=([str(prefix)], None),
-            split="1,0,0", tokenizer=Tokenizer(spec.vocab), reset_position_ids=False,
+            random_seed=seed, sequence_length=args.seq, blend=([str(prefix)], None),
+            split="1,0,0", tokenizer=Tokenizer(vocab), reset_position_ids=False,
             reset_attention_mask=False, eod_mask_loss=False,
             path_to_cache=str(prefix.parent / "cache"))
         train, _valid, _test = BlendedMegatronDatasetBuilder(
-            GPTDataset, [samples, None, None], lambda: True, config).build()
+            GPTDataset, [args.steps * args.global_batch, None, None], lambda: True,
+            config).build()
     return train
 
 
-def micro_batches(dataset: Any, trainee: Trainee, log: Any) -> Any:
+def micro_batches(dataset: Any, progress: Progress, args: argparse.Namespace, log: Any) -> Any:
     """This DP rank's micro-batches of the next global batch, from the consumed-samples
     counter (Megatron-LM's pretraining sampler order: micro-batch ``m`` of DP rank ``r``
     holds samples ``consumed + (m·dp + r)·mb ...``), so the data position is the counter."""
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mb = trainee.hyper.micro_batch
-    first = [trainee.consumed_samples + (m * dp + rank) * mb
-             for m in range(trainee.hyper.global_batch // (dp * mb))]
+    mb = args.micro_batch
+    first = [progress.consumed_samples + (m * dp + rank) * mb
+             for m in range(args.global_batch // (dp * mb))]
     if log is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_first_stage():
-        log.write(json.dumps({"step": trainee.iteration, "dp": dp, "rank": rank,
+        log.write(json.dumps({"step": progress.iteration, "dp": dp, "rank": rank,
                               "samples": [f + j for f in first for j in range(mb)]}) + "\n")
         log.flush()
     for f in first:
@@ -188,53 +189,51 @@ def forward_step(data: Any, model: Any) -> tuple[torch.Tensor, Any]:
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def train_step(trainee: Trainee, dataset: Any, log: Any = None) -> float:
+def train_step(model: list[Any], optimizer: Any, scheduler: Any, progress: Progress,
+               dataset: Any, args: argparse.Namespace, log: Any = None) -> float:
     """One optimizer step on the next global batch; the global mean loss (on every rank).
     The loss is reduced before the update and nothing communicates after it."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    hyper, dp = trainee.hyper, ps.get_data_parallel_world_size()
-    for chunk in trainee.model:
+    dp, mb = ps.get_data_parallel_world_size(), args.micro_batch
+    for chunk in model:
         chunk.zero_grad_buffer()
-    trainee.optimizer.zero_grad()
+    optimizer.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=micro_batches(dataset, trainee, log),
-        model=trainee.model, num_microbatches=hyper.global_batch // (dp * hyper.micro_batch),
-        seq_length=trainee.spec.seq, micro_batch_size=hyper.micro_batch, forward_only=False)
+        forward_step_func=forward_step, data_iterator=micro_batches(dataset, progress, args, log),
+        model=model, num_microbatches=args.global_batch // (dp * mb), seq_length=args.seq,
+        micro_batch_size=mb, forward_only=False)
     total = torch.zeros(1, dtype=torch.float64)
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
         total += sum(float(d["lm loss"]) for d in losses)
     dist.all_reduce(total)
-    ok, _grad_norm, _zeros = trainee.optimizer.step()
+    ok, _grad_norm, _zeros = optimizer.step()
     if not ok:
-        raise RuntimeError(f"step {trainee.iteration} skipped (inf/nan gradients)")
-    trainee.scheduler.step(increment=hyper.global_batch)
-    trainee.iteration += 1
-    trainee.consumed_samples += hyper.global_batch
-    return float(total.item()) * hyper.micro_batch / hyper.global_batch
+        raise RuntimeError(f"step {progress.iteration} skipped (inf/nan gradients)")
+    scheduler.step(increment=args.global_batch)
+    progress.iteration += 1
+    progress.consumed_samples += args.global_batch
+    return float(total.item()) * mb / args.global_batch
 
 
-def report(trainee: Trainee, loss: float) -> None:
+def report(progress: Progress, loss: float) -> None:
     if dist.get_rank() == 0:
-        print(json.dumps({"step": trainee.iteration, "loss": loss,
-                          "consumed_samples": trainee.consumed_samples}), flush=True)
+        print(json.dumps({"step": progress.iteration, "loss": loss,
+                          "consumed_samples": progress.consumed_samples}), flush=True)
 
 
 # ---------------------------------------------------------------------------- the loop
 def main() -> None:
-    install_if_needed()  # CPU only: run megatron-core's CUDA paths on CPU (no-op on GPUs)
     args = parser().parse_args()
-    spec = GPTSpec.parse(args.model)
-    dataset = build_dataset(spec, args.seed, args.steps * args.global_batch,
-                            args.data_dir or args.run_dir)
+    dataset = build_dataset(args)
     log = open(Path(args.run_dir) / f"samples-{os.getpid()}.jsonl", "a")  # noqa: SIM115
-    settings = RunSettings(spec, args.optimizer, args.global_batch, args.micro_batch,
-                           args.seed, args.steps, args.lr, initial_workers=args.workers)
-    with ElasticSession(settings, options_from_args(args), build=build) as session:  # build() for every layout
+    settings = RunSettings(global_batch=args.global_batch, micro_batch=args.micro_batch,
+                           steps=args.steps, initial_workers=args.workers)
+    with ElasticSession(settings, worker_options(args), build=lambda layout: build(args)) as session:
         while not session.finished:
             with session.step():  # a peer lost inside the step: recover, then redo the step
-                loss = train_step(session.trainee, dataset, log)
-                report(session.trainee, loss)
+                loss = train_step(*session.objects, session.progress, dataset, args, log)
+                report(session.progress, loss)
                 session.step_done(loss)  # the step boundary: resize here if anything changed
 
 

@@ -2,10 +2,11 @@
 
 ``python -m tests.custom_workers --builder NAME <etcslurm.runtime.worker args>``:
 
-* ``own``: a Llama-style model whose shapes are this file's, not the run's ``model``
-  (grouped-query attention with 2 groups, SwiGLU, RMSNorm, RoPE, untied, 3 layers,
-  hidden 48): the runtime must plan every resize from the live state, since its analytic
-  model of the run's spec describes another model.
+* ``own``: a Llama-style model of this file's shapes (grouped-query attention with 2
+  groups, SwiGLU, RMSNorm, RoPE, untied, 3 layers, hidden 48), returned as plain
+  megatron-core objects (model chunks, optimizer, scheduler): the run's spec names no
+  model, so its shapes are read from the model, and every resize is planned from the
+  live state.
 * ``opaque``: etcslurm's GPT, except that one module's ``sharded_state_dict()`` drops its
   ``final_layernorm`` weight (as a user's custom layer without sharded-state support
   would): the session must refuse it at start, naming the tensor, in one line.
@@ -14,12 +15,11 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from typing import Any
 
 from etcslurm.core.layout import ParallelConfig
-from etcslurm.core.models import GPTSpec
-from etcslurm.runtime.config import RunSettings, default_builder
+from etcslurm.core.models import PRESETS, GPTSpec
+from etcslurm.megatron.model import TrainHyper, build_gpt
 from etcslurm.runtime.worker import main
 
 OWN = GPTSpec(layers=3, hidden=48, heads=4, query_groups=2, ffn=96, vocab=1024, seq=64,
@@ -27,14 +27,15 @@ OWN = GPTSpec(layers=3, hidden=48, heads=4, query_groups=2, ffn=96, vocab=1024, 
               position="rope", bias=False)
 
 
-def build_own(model: GPTSpec, layout: ParallelConfig, settings: RunSettings) -> Any:
-    """This file's model, whatever the run's spec says."""
-    del model
-    return default_builder(OWN, layout, replace(settings, model=OWN))
+def build_own(layout: ParallelConfig) -> Any:
+    """This file's model, as a user's builder returns it: its own objects."""
+    trainee = build_gpt(OWN, layout, optimizer="distributed", seed=1234,
+                        hyper=TrainHyper(global_batch=12))
+    return trainee.model, trainee.optimizer, trainee.scheduler
 
 
-def build_opaque(model: GPTSpec, layout: ParallelConfig, settings: RunSettings) -> Any:
-    trainee = default_builder(model, layout, settings)
+def build_opaque(layout: ParallelConfig) -> Any:
+    trainee = build_gpt(PRESETS["gpt-tiny"], layout, hyper=TrainHyper(global_batch=12))
     chunk = trainee.model[0]
     inner = chunk.module if hasattr(chunk, "module") else chunk
     original = inner.sharded_state_dict
@@ -46,7 +47,7 @@ def build_opaque(model: GPTSpec, layout: ParallelConfig, settings: RunSettings) 
         return state
 
     inner.sharded_state_dict = without_final_norm
-    return trainee
+    return trainee.model, trainee.optimizer, trainee.scheduler
 
 
 BUILDERS = {"own": build_own, "opaque": build_opaque}

@@ -23,8 +23,8 @@ import pytest
 
 from etcslurm.coord.client import connect
 from etcslurm.core.models import GPTSpec
+from etcslurm.local.launcher import LOSS_TOLERANCE
 from etcslurm.runtime.generation import LayoutSettings, first_generation, next_generation
-from etcslurm.runtime.launcher import LOSS_TOLERANCE
 from etcslurm.testing import fault_scenarios as fm
 from tests.helpers import pids_alive
 

@@ -1,10 +1,11 @@
-"""The live loop: redraws at least twice a second, picks up new events at once, and
-spends little CPU doing it (it sleeps in XREAD)."""
+"""The live loop: it redraws while it follows a run, and an event emitted while it runs
+reaches a later redraw (it sleeps in XREAD between them).  How often it redraws, how soon
+an event shows and what CPU it spends are measured by ``benchmarks/monitor_live.py``, not
+asserted here: a loaded machine changes them, not their order."""
 
 from __future__ import annotations
 
 import io
-import itertools
 import threading
 import time
 
@@ -20,8 +21,11 @@ from tests.helpers import generation_record
 
 pytestmark = pytest.mark.redis
 
+EVENT_TEXT = "n1 preempted: USR2, 30 s budget"
 
-def test_live_loop_refresh_rate_latency_and_cpu(redis_url: str, run_id: str, monkeypatch) -> None:
+
+def test_the_live_loop_redraws_and_shows_an_event_emitted_while_it_runs(
+        redis_url: str, run_id: str, monkeypatch) -> None:
     client = connect(redis_url)
     op = Coordinator(client, run_id)
     op.publish_generation(generation_record(0, "tp1pp1dp2", ["a", "b"], {"a": "n1", "b": "n1"}))
@@ -29,31 +33,33 @@ def test_live_loop_refresh_rate_latency_and_cpu(redis_url: str, run_id: str, mon
     real_build = live.build
 
     def counting_build(view, width, height):
-        draws.append((time.monotonic(), [e.text for e in view.events]))
+        texts = [e.text for e in view.events]
+        draws.append((time.monotonic(), texts))
+        if sum(EVENT_TEXT in t for _, t in draws) >= 2:  # shown, and shown again: done
+            live.STOP.set()
         return real_build(view, width, height)
 
     monkeypatch.setattr(live, "build", counting_build)
-    emitted: list[float] = []
+    emitted = threading.Event()
 
     def later() -> None:
-        time.sleep(1.0)
-        emitted.append(time.monotonic())
+        # once the loop has drawn, so the event arrives while it follows the run
+        while not draws:
+            time.sleep(0.01)
         op.emit("worker.signal", worker="b", node="n1", signal="USR2", budget_s=30)
+        emitted.set()
 
     threading.Thread(target=later, daemon=True).start()
     console = Console(file=io.StringIO(), force_terminal=True, width=80, height=24)
-    cpu0, t0 = time.process_time(), time.monotonic()
-    live.follow_live(RunSource(client, run_id), RunModel(run_id), console, max_seconds=3.0)
-    cpu, wall = time.process_time() - cpu0, time.monotonic() - t0
-    client.close()
+    try:  # bounded: 60 s at most, however loaded the machine
+        live.follow_live(RunSource(client, run_id), RunModel(run_id), console, max_seconds=60)
+    finally:
+        live.STOP.clear()
+        client.close()
 
-    assert len(draws) >= 2 * wall - 1, f"{len(draws)} redraws in {wall:.1f} s"
-    gaps = [b[0] - a[0] for a, b in itertools.pairwise(draws)]
-    # 0.4-0.5 s when idle; slack for a loaded CI box
-    assert max(gaps) < 1.0, f"a redraw gap of {max(gaps):.2f} s"
-    seen = next(t for t, texts in draws if "n1 preempted: USR2, 30 s budget" in texts)
-    assert seen - emitted[0] < 0.5, "a new event took too long to reach the screen"
-    assert cpu < 0.5 * wall, f"{cpu:.2f} s CPU in {wall:.1f} s"
-    print([round(g, 2) for g in gaps])
-    print(f"redraws {len(draws)} in {wall:.1f} s, max gap {max(gaps):.2f} s, "
-          f"event→screen {seen - emitted[0]:.3f} s, CPU {cpu:.2f} s")
+    assert emitted.is_set()
+    before = [texts for _, texts in draws if EVENT_TEXT not in texts]
+    after = [texts for _, texts in draws if EVENT_TEXT in texts]
+    assert before and after, "drawn before the event, and again with it"
+    first_with = next(i for i, (_, texts) in enumerate(draws) if EVENT_TEXT in texts)
+    assert all(EVENT_TEXT in texts for _, texts in draws[first_with:]), "the event stays"

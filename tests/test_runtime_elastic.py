@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from etcslurm.runtime.launcher import LOSS_TOLERANCE, DemoOptions, run_demo
+from etcslurm.local.launcher import LOSS_TOLERANCE, DemoOptions, run_demo
 from tests.helpers import pids_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(1200)]
@@ -121,10 +121,11 @@ def test_tp_grows_by_itself_with_joiners_then_by_an_operator_request(
 
 def test_a_builder_of_our_own_resizes_twice_from_the_live_state(redis_url: str, run_id: str,
                                                                 tmp_path: Path) -> None:
-    """A builder written here (tests/custom_workers.py: a Llama-style model whose shapes
-    are not the run's spec, distributed optimizer) resizes twice: the plans come from the
-    live state, and the losses equal a run that never resized."""
-    opts = DemoOptions(workers=4, steps=10, schedule="2:leave=1;5:leave=1",
+    """A builder written here (tests/custom_workers.py: a Llama-style model returned as
+    plain megatron-core objects, distributed optimizer) and a run that names no model:
+    its shapes are read from the model; it resizes twice, planned from the live state,
+    and the losses equal a run that never resized."""
+    opts = DemoOptions(workers=4, steps=10, schedule="2:leave=1;5:leave=1", model="",
                        optimizer="distributed", redis=redis_url, run_id=run_id,
                        run_dir=str(tmp_path), keep_keys_s=5, min_step_seconds=1.0,
                        worker_module="tests.custom_workers", worker_args=("--builder", "own"))

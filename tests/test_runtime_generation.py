@@ -11,6 +11,7 @@ from etcslurm.core.layout import NoLayoutFits, ParallelConfig
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.plan import plan
 from etcslurm.errors import UsageError
+from etcslurm.local.schedule import active_after, parse_schedule
 from etcslurm.megatron_state import expand
 from etcslurm.runtime.generation import (
     STANDBY,
@@ -23,7 +24,6 @@ from etcslurm.runtime.generation import (
     plan_inputs,
     worth_changing,
 )
-from etcslurm.runtime.schedule import active_after, parse_schedule
 
 SPEC = GPTSpec.parse("gpt-tiny")
 

@@ -34,8 +34,8 @@ import pytest
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
 from etcslurm.core.models import GPTSpec
+from etcslurm.local.launcher import LOSS_TOLERANCE, DemoOptions, run_demo
 from etcslurm.runtime.config import RunSettings
-from etcslurm.runtime.launcher import LOSS_TOLERANCE, DemoOptions, run_demo
 from etcslurm.slurm.submission import grow, submit
 from tests.helpers import job_state, sh
 from tests.helpers import wait_for as _wait_for

@@ -13,7 +13,7 @@ the new layout — run with megatron-core's own fastest settings, so the compari
   writer fsyncs every file.  The writer's start-up (≈3 s, first save only) is reported
   apart (``SaveReport.first``), as a job that checkpoints regularly has it running;
 - the distributed optimizer saved ``fully_reshardable`` (the only sharding type that
-  reshards across TP/PP on the torch-Adam fallback, see design.md).
+  reshards across TP/PP on the torch-Adam fallback).
 
 RNG states are not saved (they depend on the TP rank; the model uses no dropout); the
 other scalars travel in the checkpoint's common part as a JSON string.

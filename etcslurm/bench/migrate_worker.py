@@ -124,7 +124,7 @@ def _case(ctx: WorkerContext, number: int, c: dict[str, Any], baseline: Any,
           warm: dict[str, bool]) -> dict[str, Any]:
     from etcslurm.megatron.sharded_meta import local_state
     from etcslurm.megatron.train import train_step
-    from etcslurm.runtime.config import WorkerOptions, default_builder
+    from etcslurm.runtime.config import WorkerOptions
     from etcslurm.runtime.generation import layout_settings, next_generation, start_generation
     from etcslurm.runtime.jobs import migration_job
     from etcslurm.runtime.world import World
@@ -147,7 +147,7 @@ def _case(ctx: WorkerContext, number: int, c: dict[str, Any], baseline: Any,
     nodes.update({w: f"j{k // GPUS_PER_NODE}" for k, w in enumerate(workers[n_old:])})
     options = WorkerOptions(run_id=f"bench-{number}", redis_url="", node=nodes[workers[index]],
                             collective_timeout=timeout, log_data=False)
-    world = World(ctx.store, settings, options, default_builder,
+    world = World(ctx.store, settings, options,
                   direct_min=int(c.get("direct_min_bytes") or DIRECT_MIN_BYTES))
     world.analytic = world.analytic and not c.get("live_plan", False)
     use_ckpt = bool(c.get("checkpoint", True))
@@ -239,7 +239,7 @@ def _case(ctx: WorkerContext, number: int, c: dict[str, Any], baseline: Any,
                                 work / "global" if c.get("verify_global", True) else None,
                                 p2p.dtype, 1, p2p_prints, fp=_fingerprint))
     progress("build-checkpoint")
-    other = world.build(settings.model, new, settings)
+    other = world.build_model(new)
     progress("checkpoint-load")
     dist.barrier()
     t0 = time.perf_counter()
@@ -266,7 +266,7 @@ def _case(ctx: WorkerContext, number: int, c: dict[str, Any], baseline: Any,
     gc.collect()
     if c.get("reference", False):
         progress("reference")
-        ref = world.build(settings.model, new, settings)
+        ref = world.build_model(new)
         losses = [train_step(ref) for _ in range(steps_before + steps_after)]
         out["losses_reference"] = losses[steps_before:]
         del ref

@@ -59,7 +59,7 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from etcslurm.runtime.launcher import DemoOptions, LocalRun, run_demo
+    from etcslurm.local.launcher import DemoOptions, LocalRun, run_demo
 
     opts = DemoOptions(
         workers=args.workers, model=args.model, dtype=args.dtype, steps=args.steps, schedule=args.schedule,

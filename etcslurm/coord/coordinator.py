@@ -225,6 +225,17 @@ class Coordinator:
         """The run's stored spec, or ``None``."""
         return self._read(self.keys.spec)
 
+    def record_shapes(self, shapes: dict[str, Any]) -> None:
+        """Store the shapes read from the user's model at its first build (the first
+        write stays: every member read the same model)."""
+        key = self.keys.shapes
+        raw = dumps(shapes, key, self.max_value_bytes)
+        self.client.call(f"write {key}", lambda r: r.set(key, raw, nx=True))
+
+    def shapes(self) -> dict[str, Any] | None:
+        """The user's model's shapes, once a member has built it (else ``None``)."""
+        return self._read(self.keys.shapes)
+
     # ------------------------------------------------------------------ membership
     def register(self, info: dict[str, Any] | None = None, *, heartbeat: bool = True) -> str:
         """Join the run as a new worker in state ``joining``; returns its worker id ``w<n>``.

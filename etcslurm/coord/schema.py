@@ -46,6 +46,7 @@ class Keys:
         self.prefix = run_prefix(run_id)
         p = self.prefix
         self.spec = p + "spec"  # run spec, set once (SET NX)
+        self.shapes = p + "shapes"  # the user's model's shapes, read from it (SET NX)
         self.workers = p + "workers"  # hash worker id -> JSON info + state
         self.worker_seq = p + "worker_seq"  # counter for worker ids
         self.gen = p + "gen"  # current generation JSON
@@ -72,7 +73,7 @@ class Keys:
 
     def fixed(self) -> list[str]:
         """The keys whose names do not depend on workers or generations."""
-        return [self.spec, self.workers, self.worker_seq, self.gen, self.gen_no, self.news,
+        return [self.spec, self.shapes, self.workers, self.worker_seq, self.gen, self.gen_no, self.news,
                 self.committed, self.events, self.changes, self.stores, self.holding]
 
 

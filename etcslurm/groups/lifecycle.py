@@ -73,7 +73,7 @@ def freeze_long_lived() -> bool:
     Why: :func:`teardown` collects garbage so that a dead world's sockets and threads go
     at once, and a full collection walks every tracked object -- after importing torch
     and megatron-core's model stack that is ~400 000, ~1 s per collection on a shared
-    core (measured 12-02 with 4 gloo ranks), most of a DP shrink's pause.  What is alive
+    core (measured with 4 gloo ranks), most of a DP shrink's pause.  What is alive
     before the first world (modules, classes, the run's settings and store) lives as
     long as the process anyway; frozen, it is skipped, and each collection walks only
     what came later (models, groups, buffers: well under 10 ms).  Call it before the
@@ -105,7 +105,7 @@ def retire(obj: Any) -> None:
 
     Why: a gloo group's destructor waits for its device's event loop to notice the stop
     (an ``epoll_wait`` of 10 ms), ~14 ms per group and ~0.24 s for megatron's 17 groups of
-    a 4-rank world (measured 12-02), and it runs wherever the last reference goes -- in
+    a 4-rank world, and it runs wherever the last reference goes -- in
     the middle of a resize's pause.  The wait releases the GIL, so the reaper costs the
     training thread nothing.  The reaper holds ``obj`` until its own reference is the
     last (the caller's locals and the old model may still point at it) or
@@ -132,7 +132,7 @@ def _reap() -> None:
         # a model is full of reference cycles (modules, hooks): dropping the last
         # reference leaves it to the collector, and the next collection -- the teardown's,
         # inside the next resize's pause -- would run its groups' destructors there
-        # (~0.09 s of every TP change after the first, 12-02).  Collected here, they
+        # (~0.09 s of every TP change after the first).  Collected here, they
         # wait in this thread.
         if _RETIRED.empty():
             gc.collect()
@@ -245,8 +245,8 @@ def world_exchange(generation: int | str, timeout: float) -> dist.Backend:
     are the world's.
 
     Why: a second rendezvous over the same members (store round trips, a full mesh of
-    connections) was 0.01-0.05 s of a DP grow's or a TP change's pause on gpt-tiny
-    (12-02).  It ends with the same probe all-reduce, bounded by ``timeout`` (gloo honours
+    connections) was 0.01-0.05 s of a DP grow's or a TP change's pause on gpt-tiny.
+    It ends with the same probe all-reduce, bounded by ``timeout`` (gloo honours
     a per-operation timeout): members arrive once their model is built, which may take
     longer than the world's own collective timeout.  Never closed by the migration: it
     is the world's.  gloo only (:class:`MigrationError` otherwise): whether NCCL honours
@@ -284,7 +284,7 @@ def close_exchange_group(pg: dist.Backend | None, now: bool = False) -> None:
 
     A gloo group is handed to :func:`retire` unless ``now``: its shutdown waits for its
     device's event loop like any gloo group's destructor (10-30 ms of every resize's
-    pause on gpt-tiny, 12-02), and nothing needs its sockets gone at once -- the
+    pause on gpt-tiny), and nothing needs its sockets gone at once -- the
     members that leave exit, the others never use it again.  ``now``: a half-formed
     group after a failure, whose sockets must not linger into the retry.
     """

@@ -245,11 +245,6 @@ class SlurmEnvironment:
         return self.step_id is not None and self.step_id not in ("batch", "extern")
 
     @property
-    def global_rank(self) -> int:
-        """Rank of this task in its own job step (Slurm's PROCID)."""
-        return self.proc_id
-
-    @property
     def world_size(self) -> int:
         return self.ntasks
 
@@ -330,7 +325,7 @@ class SlurmEnvironment:
 
 
 def parse_slurm_time(text: str) -> float | None:
-    """``2026-11-29T09:43:17`` (local time) → epoch seconds; None for N/A/Unknown."""
+    """``YYYY-MM-DDTHH:MM:SS`` (local time) → epoch seconds; None for N/A/Unknown."""
     text = text.strip()
     if not text or text in ("N/A", "Unknown", "None", "INVALID"):
         return None
@@ -348,14 +343,6 @@ def _run(cmd: list[str], timeout: float) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return res.stdout if res.returncode == 0 else None
-
-
-def scontrol_hostnames(hostlist: str, timeout: float = 10.0) -> list[str]:
-    """Expand a host list with ``scontrol show hostnames`` (the parser as fallback)."""
-    out = _run(["scontrol", "show", "hostnames", hostlist], timeout)
-    if out:
-        return out.split()
-    return expand_hostlist(hostlist)
 
 
 @contextlib.contextmanager

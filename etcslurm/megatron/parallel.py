@@ -67,8 +67,8 @@ def init_world(
 
 #: what a build imports: the model and optimizer stack, and the layer specs -- whose
 #: import reaches ``fused_bias_dropout``'s ``torch.compile``, whose first call builds
-#: dynamo's rule map: 0.22 s of a joiner's build inside a DP grow's pause (12-02,
-#: profiled), while the old ranks waited for it in the optimizer's all-gather
+#: dynamo's rule map: 0.22 s of a joiner's build inside a DP grow's pause (profiled),
+#: while the old ranks waited for it in the optimizer's all-gather
 WARM_MODULES = ("megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs",
                 "megatron.core.optimizer", "megatron.core.optimizer_param_scheduler",
                 "megatron.core.distributed")
@@ -124,8 +124,8 @@ def _lazy_gloo(gloo: bool) -> Iterator[None]:
     Why: megatron-core creates every group of its layout on every rank -- 17 with this
     rank as a member for tp2pp1dp2 on 4 ranks, only 4 distinct rank sets among them --
     and most are never used by a training step; connected eagerly they took 0.19 s of
-    each resize's pause over the Redis store, lazily 0.04 s (4 gloo ranks, 12-02, this
-    machine).  The groups a step uses connect in the first step after the resize.  The
+    each resize's pause over the Redis store, lazily 0.04 s (4 gloo ranks on a
+    2-core machine).  The groups a step uses connect in the first step after the resize.  The
     default group and the exchange group stay eager: their first collective comes at
     once (a barrier, a probe), and an eager connection makes a peer that dies show at
     once, where a lazy connect to a dead peer retries up to five times the group's

@@ -1,8 +1,9 @@
 """The small replicated state as one JSON document (no pickle).
 
 Why: iteration, consumed samples, Adam's step count, the LR scheduler and the RNG states
-are a few hundred bytes: the planner does not plan them; the runtime sends this document
-from one source (new rank 0's) and every new rank applies it with :func:`restore_scalars`.
+are a few hundred bytes: the planner does not plan them; the decider puts this document,
+read from its own state, into the generation record (``scalars``), and every new rank
+applies it with :func:`restore_scalars` at the commit.
 Byte states (RNG) are base64 of the raw bytes.
 
 RNG: the torch generator and megatron's tracker states depend on the TP rank (the

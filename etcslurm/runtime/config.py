@@ -26,11 +26,15 @@ class RunSettings:
     """Run-wide settings: model, optimizer, batch, seed, steps, how layouts are chosen
     and which are allowed.
 
+    ``model``: etcslurm's own GPT of these shapes, trained by the session's default
+    builder; or ``None`` with a builder of your own, whose model's shapes are read from
+    it at its first build (until then the first layout is ``first_layout``, else pure
+    data parallel).  ``optimizer`` is etcslurm's model's; yours is read from it.
     ``staging_bytes`` bounds a round's send + receive staging memory; it shapes the plan
     (message sizes, rounds), so it is run-wide too.
     """
 
-    model: GPTSpec
+    model: GPTSpec | None = None
     optimizer: str = "adam"
     global_batch: int = 12
     micro_batch: int = 1
@@ -81,7 +85,7 @@ class RunSettings:
     def to_json(self) -> dict[str, Any]:
         """The run spec stored in the coordinator (JSON)."""
         return {
-            "model": self.model.to_json(),
+            "model": self.model.to_json() if self.model is not None else None,
             "optimizer": self.optimizer,
             "global_batch": self.global_batch,
             "micro_batch": self.micro_batch,
@@ -107,7 +111,7 @@ class RunSettings:
         """The settings a run spec read from the coordinator describes."""
         try:
             return cls(
-                model=GPTSpec.from_json(spec["model"]),
+                model=GPTSpec.from_json(spec["model"]) if spec.get("model") else None,
                 optimizer=str(spec["optimizer"]),
                 global_batch=int(spec["global_batch"]),
                 micro_batch=int(spec["micro_batch"]),
@@ -186,15 +190,7 @@ def settled_within(dead_after: float, collective_timeout: float, notice: float) 
     return recovery_window(dead_after, collective_timeout, notice) + collective_timeout + 30
 
 
-#: ``build(model, layout, settings)`` → the rank's model chunks, optimizer and scheduler
-#: (a :class:`etcslurm.megatron.model.Trainee`), for a world whose ``parallel_state`` is ready
-Builder = Callable[[GPTSpec, ParallelConfig, RunSettings], Any]
-
-
-def default_builder(model: GPTSpec, layout: ParallelConfig, settings: RunSettings) -> Any:
-    """etcslurm's megatron-core GPT with the run's optimizer."""
-    from etcslurm.megatron.adapter import TrainHyper, build_gpt
-
-    hyper = TrainHyper(lr=settings.lr, global_batch=settings.global_batch,
-                       micro_batch=settings.micro_batch)
-    return build_gpt(model, layout, optimizer=settings.optimizer, seed=settings.seed, hyper=hyper)
+#: ``build(layout)`` → this rank's ``(model chunks, megatron optimizer, LR scheduler or
+#: None)`` for a world whose ``parallel_state`` is ready for ``layout`` (your own
+#: megatron-core objects; :data:`etcslurm.megatron.adopt.Built`)
+Builder = Callable[[ParallelConfig], Any]

@@ -59,7 +59,7 @@ class LayoutSettings:
     layouts or fixed sizes such as ``tp=8``) and ``first_layout``: the user's limits.
     """
 
-    spec: GPTSpec
+    spec: GPTSpec | None  # None: a user's model not built yet (shapes unknown)
     optimizer: str
     global_batch: int
     micro_batch: int
@@ -94,7 +94,29 @@ class LayoutSettings:
         if self.global_batch % self.micro_batch:
             raise LayoutError(f"global batch {self.global_batch} is not a multiple of "
                               f"micro batch {self.micro_batch}")
+        if self.spec is None:
+            return self._before_shapes(n_devices, first)
         return choose(n_devices, self.spec, self.rules, previous, first)
+
+    def _before_shapes(self, n_devices: int, first: ParallelConfig | None) -> LayoutDecision:
+        """The first layout of a user's model whose shapes are not known yet (they are
+        read from it once built): the first layout set, else pure data parallel on as
+        many devices as the batch and the limits allow."""
+        top = min(n_devices, self.max_world or n_devices)
+        if first is None:
+            used = next((d for d in range(top, 0, -1)
+                         if self.global_batch % (d * self.micro_batch) == 0), 1)
+            first, why = ParallelConfig(1, 1, used), "data parallel: the model's shapes are "
+            why += "read from it once built"
+        else:
+            why = "the first layout set"
+        if first.world_size > n_devices or first.world_size < self.min_world:
+            raise NoLayoutFits(f"{n_devices} devices: the first layout {first} needs "
+                               f"{first.world_size} (min_world {self.min_world})")
+        used = first.world_size
+        return LayoutDecision(first, used, tuple(range(used, n_devices)),
+                              f"{first} on {used} of {n_devices} devices; {why}",
+                              self.global_batch // (first.dp * self.micro_batch))
 
 
 def layout_settings(settings: RunSettings,

@@ -70,7 +70,7 @@ def analytic_plan(migration: Migration, inputs: PlanInputs, *, assignment: list[
 
     Why not :func:`live_plan`: describing the state to each other is an all-gather of
     every participant's description (and an all-reduce of the totals) on the exchange
-    group, 0.03-0.06 s of a gpt-tiny resize's pause (12-02), to learn what the analytic
+    group, 0.03-0.06 s of a gpt-tiny resize's pause, to learn what the analytic
     model already says.  It stays exact because ``prepare``'s holdings check compares
     this participant's live pieces, old and new, with the same analytic model (a model
     that differs is refused before anything moves), and the decider's verdict covers the

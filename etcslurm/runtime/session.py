@@ -28,6 +28,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +36,13 @@ import torch.distributed as dist
 
 from etcslurm.coord.coordinator import GONE
 from etcslurm.coord.sentinel import host_address
-from etcslurm.errors import EtcslurmError
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.models import GPTSpec
+from etcslurm.errors import EtcslurmError, UsageError
 from etcslurm.hooks import NO_HOOKS, Hooks
 from etcslurm.runtime import checkpointing, recovery, steps, transitions
 from etcslurm.runtime.boundary import Boundary, DataLog
-from etcslurm.runtime.config import Builder, RunSettings, WorkerOptions, default_builder
+from etcslurm.runtime.config import Builder, RunSettings, WorkerOptions
 from etcslurm.runtime.machine import Context, Phase, State, drive
 
 log = logging.getLogger("etcslurm.runtime")
@@ -65,32 +68,79 @@ TRANSITIONS = {
 class ElasticSession:
     """One worker's membership in an elastic run; see the module docstring.
 
-    ``build(model, layout, settings)`` returns the rank's model chunks, optimizer and
-    scheduler for a layout (default: etcslurm's megatron-core GPT); ``hooks`` are test
-    injection points (no-op by default).
+    ``build(layout)`` returns this rank's own megatron-core objects for a layout --
+    ``(model chunks, megatron optimizer, LR scheduler or None)``, built in the world and
+    ``parallel_state`` the session formed for it -- and is called again for every new
+    layout; without one the session trains etcslurm's GPT of ``settings.model``.
+    ``on_resize(old, new)`` is called once this worker trains in a new layout (``old`` is
+    ``None`` at the start): rebuild what depends on it (data iterators, loggers).
+    ``hooks`` are test injection points (no-op by default).
     """
 
     def __init__(self, settings: RunSettings, options: WorkerOptions,
-                 build: Builder | None = None, hooks: Hooks | None = None) -> None:
+                 build: Builder | None = None, hooks: Hooks | None = None,
+                 on_resize: Callable[[ParallelConfig | None, ParallelConfig], None] | None = None,
+                 ) -> None:
+        if build is None and settings.model is None:
+            raise UsageError("RunSettings.model is needed without a builder of your own")
         self.settings = settings
         self.options = options
-        self.build = build or default_builder
+        self.build = build
         self.hooks = hooks or NO_HOOKS
+        self.on_resize = on_resize
         self.ctx: Context | None = None
         self.finished = False
         self.exit_reason = "finished"
         self._client: Any = None
         self._step_started = time.perf_counter()
+        self._layout: ParallelConfig | None = None
 
     # ------------------------------------------------------------------ what the loop reads
     @property
     def trainee(self) -> Any:
-        """This rank's model chunks, optimizer and scheduler (a new object after a resize)."""
+        """etcslurm's record of this rank's model chunks, optimizer and scheduler (a new
+        object after a resize)."""
         return self.ctx.trainee if self.ctx is not None else None
+
+    @property
+    def model(self) -> list[Any]:
+        """This rank's model chunks (your builder's, for the current layout)."""
+        return self.trainee.model
+
+    @property
+    def optimizer(self) -> Any:
+        return self.trainee.optimizer
+
+    @property
+    def scheduler(self) -> Any:
+        return self.trainee.scheduler
+
+    @property
+    def objects(self) -> tuple[list[Any], Any, Any]:
+        """``(model, optimizer, scheduler)`` of the current layout."""
+        return self.model, self.optimizer, self.scheduler
+
+    @property
+    def progress(self) -> Any:
+        """The data position your step advances: ``iteration`` (steps done) and
+        ``consumed_samples``; it travels with the state at every resize and checkpoint,
+        and the run ends when ``iteration`` reaches ``settings.steps``."""
+        return self.trainee
+
+    @property
+    def layout(self) -> ParallelConfig | None:
+        """The layout this worker trains in."""
+        return self._layout
 
     @property
     def rank(self) -> int | None:
         return self.ctx.rank if self.ctx is not None else None
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """Whether this worker logs for the run (rank 0 of the current world: it moves
+        to another worker when the world changes)."""
+        return self.rank == 0
 
     @property
     def worker_id(self) -> str | None:
@@ -104,7 +154,7 @@ class ElasticSession:
 
     @property
     def step_index(self) -> int:
-        """The global step the next ``train_step`` computes."""
+        """The global step the next step computes."""
         return self.ctx.step if self.ctx is not None else 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -153,7 +203,13 @@ class ElasticSession:
         if self.settings.checkpoint_every:
             self.ctx.periodic = checkpointing.Periodic(opts, self.settings.checkpoint_every,
                                                        self.settings.checkpoint_keep)
-        if opts.log_data and self.build is default_builder:
+        if self.settings.model is None:  # a user's model already built by others
+            shapes = coord.shapes()
+            if shapes is not None:
+                self.settings = replace(self.settings, model=GPTSpec.from_json(shapes["model"]),
+                                        optimizer=str(shapes["optimizer"]))
+                world.settings = self.ctx.settings = self.settings
+        if opts.log_data and self.build is None:
             # which samples each DP rank trains, by etcslurm's own train_step's rule (a
             # user's loop with its own data pipeline logs its own positions)
             self.ctx.data_log = DataLog(Path(opts.run_dir) / f"data-{worker_id}.jsonl")
@@ -192,6 +248,12 @@ class ElasticSession:
             self.finished = True
             self.exit_reason = final.reason if final.reason in (
                 "left", "evicted", "checkpointed") else "finished"
+        elif self.ctx.record is not None:
+            layout = ParallelConfig.parse(self.ctx.record.to_layout)
+            if layout != self._layout:
+                old, self._layout = self._layout, layout
+                if self.on_resize is not None:
+                    self.on_resize(old, layout)
         self._step_started = time.perf_counter()
 
     # ------------------------------------------------------------------ training API

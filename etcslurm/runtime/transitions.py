@@ -189,6 +189,7 @@ def enter(ctx: Context, state: State) -> State:
     # before the first step, not at the first resize: a model etcslurm cannot describe
     # stops here with one line naming the first tensor it cannot handle
     ctx.world.check_describable(ctx.trainee)
+    learn_shapes(ctx)
     if record.resume:
         ctx.world.load_checkpoint(ctx.trainee, record.resume)
     ctx.record = record
@@ -232,6 +233,7 @@ def resize(ctx: Context, state: State) -> State:
         ctx.world.retire(ctx.trainee)  # freed in the background once unreferenced
     ctx.trainee, ctx.rank, ctx.record = result.trainee, new_rank, record
     ctx.forget_holdings()
+    learn_shapes(ctx)
     coord.set_state(ACTIVE, rank=new_rank, generation=gen)
     if new_rank == 0:  # past the new world's barrier: every member is complete
         coord.commit_generation(gen)
@@ -329,6 +331,19 @@ def checkpoint(ctx: Context, state: State) -> State:
 
 
 # ---------------------------------------------------------------------- helpers
+def learn_shapes(ctx: Context) -> None:
+    """A run of the user's own model learns its shapes (and optimizer) from the model
+    this worker just built: what the layout policy and the decider plan from.  Every
+    member reads the same model; the coordinator keeps them for workers yet to come."""
+    if ctx.settings.model is not None or ctx.trainee is None:
+        return
+    trainee = ctx.trainee
+    ctx.settings = replace(ctx.settings, model=trainee.spec, optimizer=trainee.optimizer_kind)
+    ctx.world.settings = ctx.settings
+    ctx.coord.record_shapes({"model": trainee.spec.to_json(),
+                             "optimizer": trainee.optimizer_kind})
+
+
 def layout_settings(ctx: Context) -> LayoutSettings:
     """What the layout policy and the planner need of the run settings (device memory:
     the setting, else this worker's GPU's, else no limit)."""

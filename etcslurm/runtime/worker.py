@@ -21,36 +21,61 @@ from etcslurm.runtime.config import Builder, RunSettings, WorkerOptions
 
 
 def parser() -> argparse.ArgumentParser:
+    """The runtime worker's flags: a worker's (:func:`worker_arguments`) and the builder."""
     p = argparse.ArgumentParser(prog="python -m etcslurm.runtime.worker",
                                 description="Run one elastic etcslurm worker.")
-    env = os.environ.get
-    p.add_argument("--run", default=env("ETCSLURM_RUN"), help="run id (env ETCSLURM_RUN)")
-    p.add_argument("--redis", default=env("ETCSLURM_REDIS_URL"),
-                   help="coordinator URL (env ETCSLURM_REDIS_URL)")
-    p.add_argument("--password-file", default=env("ETCSLURM_PASSWORD_FILE"),
-                   help="file with the coordinator password (env ETCSLURM_PASSWORD_FILE)")
-    p.add_argument("--run-dir", default=env("ETCSLURM_RUN_DIR", "."),
-                   help="where logs and checkpoints go (env ETCSLURM_RUN_DIR)")
-    p.add_argument("--node", default=env("ETCSLURM_NODE") or env("SLURMD_NODENAME"),
-                   help="node name (default: Slurm's node name, else the host name)")
-    p.add_argument("--dead-after", type=float, default=float(env("ETCSLURM_DEAD_AFTER", "10")))
-    p.add_argument("--collective-timeout", type=float,
-                   default=float(env("ETCSLURM_COLLECTIVE_TIMEOUT", "10")))
-    p.add_argument("--join-timeout", type=float, default=float(env("ETCSLURM_JOIN_TIMEOUT", "600")))
-    p.add_argument("--checkpoint-dir", default=env("ETCSLURM_CHECKPOINT_DIR"))
-    p.add_argument("--builder", default=env("ETCSLURM_BUILDER"), metavar="MODULE:FUNCTION",
+    worker_arguments(p, workers=False)
+    p.add_argument("--builder", default=os.environ.get("ETCSLURM_BUILDER"),
+                   metavar="MODULE:FUNCTION",
                    help="the model builder to import (default: etcslurm's GPT of the run's "
                         "model; env ETCSLURM_BUILDER)")
-    p.add_argument("--min-step-seconds", type=float,
-                   default=float(env("ETCSLURM_MIN_STEP_SECONDS", "0") or 0),
-                   help="make each step last at least this long (demos: joiners get time "
-                        "to arrive); losses and data order are unchanged")
     return p
 
 
-def options_from_args(args: argparse.Namespace) -> WorkerOptions:
-    """This worker's options from the flags :func:`parser` defines (a user's own training
-    script can take the same flags: ``parser()`` + ``options_from_args``)."""
+def worker_arguments(p: argparse.ArgumentParser, *,
+                     workers: bool = True) -> argparse.ArgumentParser:
+    """Add etcslurm's worker flags to a training script's own parser (each defaults to
+    the variable the sbatch template and ``etcslurm demo`` set); ``--workers``: the
+    workers that start the run (the first job's tasks).  A flag the script defines
+    already (``--run-dir``, say) stays the script's: its value is used."""
+    env = os.environ.get
+    group = p.add_argument_group("etcslurm worker")
+    taken = set(p._option_string_actions)
+
+    class _Group:
+        def add_argument(self, flag: str, **kw: Any) -> None:
+            if flag not in taken:
+                group.add_argument(flag, **kw)
+
+    g = _Group()
+    g.add_argument("--run", default=env("ETCSLURM_RUN"), help="run id (env ETCSLURM_RUN)")
+    g.add_argument("--redis", default=env("ETCSLURM_REDIS_URL"),
+                   help="coordinator URL (env ETCSLURM_REDIS_URL)")
+    g.add_argument("--password-file", default=env("ETCSLURM_PASSWORD_FILE"),
+                   help="file with the coordinator password (env ETCSLURM_PASSWORD_FILE)")
+    g.add_argument("--run-dir", default=env("ETCSLURM_RUN_DIR", "."),
+                   help="where logs and checkpoints go (env ETCSLURM_RUN_DIR)")
+    g.add_argument("--node", default=env("ETCSLURM_NODE") or env("SLURMD_NODENAME"),
+                   help="node name (default: Slurm's node name, else the host name)")
+    g.add_argument("--dead-after", type=float, default=float(env("ETCSLURM_DEAD_AFTER", "10")))
+    g.add_argument("--collective-timeout", type=float,
+                   default=float(env("ETCSLURM_COLLECTIVE_TIMEOUT", "10")))
+    g.add_argument("--join-timeout", type=float, default=float(env("ETCSLURM_JOIN_TIMEOUT", "600")))
+    g.add_argument("--checkpoint-dir", default=env("ETCSLURM_CHECKPOINT_DIR"))
+    g.add_argument("--min-step-seconds", type=float,
+                   default=float(env("ETCSLURM_MIN_STEP_SECONDS", "0") or 0),
+                   help="make each step last at least this long (demos: joiners get time "
+                        "to arrive); losses and data order are unchanged")
+    if workers:
+        g.add_argument("--workers", type=int,
+                       default=int(env("ETCSLURM_WORKERS") or env("SLURM_NTASKS") or 1),
+                       help="workers that start the run (env ETCSLURM_WORKERS, else the "
+                            "job's tasks)")
+    return p
+
+
+def worker_options(args: argparse.Namespace) -> WorkerOptions:
+    """This worker's options from the flags :func:`worker_arguments` added."""
     import socket
 
     if not args.run or not args.redis:
@@ -74,7 +99,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[RunSettings, WorkerOptio
     from etcslurm.coord.client import connect
     from etcslurm.coord.coordinator import Coordinator
 
-    options = options_from_args(args)
+    options = worker_options(args)
     client = connect(args.redis, args.password_file)
     spec = Coordinator(client, args.run).run_spec()
     client.close()

@@ -37,7 +37,7 @@ class World:
     them, on one long-lived store (one ``PrefixStore`` per generation)."""
 
     def __init__(self, store: dist.Store, settings: RunSettings, options: WorkerOptions,
-                 build: Builder, hooks: Hooks = NO_HOOKS,
+                 build: Builder | None = None, hooks: Hooks = NO_HOOKS,
                  direct_min: int = DIRECT_MIN_BYTES) -> None:
         self.store = store
         #: slices of at least this many bytes travel as segments of their own
@@ -52,11 +52,9 @@ class World:
         self.build_seconds = 0.0
         #: the staging arena, kept from one migration to the next (resident memory)
         self.arena: torch.Tensor | None = None
-        #: the model is etcslurm's own GPT of ``settings.model``: its pieces are known
-        #: analytically, and the migration checks the live ones against them
-        from etcslurm.runtime.config import default_builder
-
-        self.analytic = build is default_builder
+        #: no builder of the user's: the model is etcslurm's own GPT of ``settings.model``,
+        #: whose pieces are known analytically (the migration checks the live ones)
+        self.analytic = build is None
         self._periodic: Any = None  # the async checkpoint writer of periodic saves
         #: seconds of the last world formation and build, by part (world, groups, build)
         self.last_build: dict[str, float] = {}
@@ -110,13 +108,7 @@ class World:
         """Start ``generation``'s world as ``rank`` and build the model of ``layout``."""
         self._form(generation, layout, rank)
         t0 = time.perf_counter()
-        trainee = self.build(self.settings.model, layout, self.settings)
-        # torch Adam creates its state lazily at the first step; a migration (or a
-        # checkpoint load) writes into it, so a user's builder need not do this itself
-        from etcslurm.megatron.model import init_optimizer_state
-
-        init_optimizer_state(trainee)
-        return self._built(trainee, t0)
+        return self._built(self.build_model(layout), t0)
 
     def can_keep(self, trainee: Any, old: tuple[ParallelConfig, int],
                  new: tuple[ParallelConfig, int]) -> bool:
@@ -128,7 +120,7 @@ class World:
         from etcslurm.megatron.regroup import can_keep
 
         known = self._groups is not None and self._groups[0]() is trainee
-        return (known and isinstance(trainee, Trainee)
+        return (known and self.analytic and isinstance(trainee, Trainee)
                 and can_keep(old, new, trainee.optimizer_kind))
 
     def regroup(self, generation: int, layout: ParallelConfig, rank: int,
@@ -159,11 +151,29 @@ class World:
         return self._built(trainee, t0), True
 
     def _build_after_form(self, layout: ParallelConfig, t0: float) -> Any:
-        from etcslurm.megatron.model import init_optimizer_state
+        return self._built(self.build_model(layout), t0)
 
-        trainee = self.build(self.settings.model, layout, self.settings)
+    def build_model(self, layout: ParallelConfig) -> Any:
+        """This rank's model of ``layout`` (its world and megatron's groups are formed):
+        etcslurm's GPT of the run's spec, or the user's builder's objects, as a
+        :class:`~etcslurm.megatron.model.Trainee` whose optimizer state exists (torch's
+        Adam creates it lazily at the first step; a migration or a checkpoint load writes
+        into it, so a user's builder need not do this itself)."""
+        from etcslurm.megatron.adopt import as_trainee
+        from etcslurm.megatron.model import TrainHyper, build_gpt, init_optimizer_state
+
+        s = self.settings
+        if self.build is None:
+            if s.model is None:
+                from etcslurm.errors import UsageError
+
+                raise UsageError("RunSettings.model is needed without a builder of your own")
+            hyper = TrainHyper(lr=s.lr, global_batch=s.global_batch, micro_batch=s.micro_batch)
+            return build_gpt(s.model, layout, optimizer=s.optimizer, seed=s.seed, hyper=hyper)
+        trainee = as_trainee(self.build(layout), layout, seed=s.seed,
+                             global_batch=s.global_batch, micro_batch=s.micro_batch)
         init_optimizer_state(trainee)
-        return self._built(trainee, t0)
+        return trainee
 
     def abort(self) -> None:
         """Drop every process group at once (a peer died, or the worker leaves)."""

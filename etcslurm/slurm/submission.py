@@ -32,7 +32,7 @@ from typing import Any
 
 from etcslurm.errors import EtcslurmError, UsageError
 from etcslurm.job import environment as E
-from etcslurm.job.environment import SlurmEnvironment, parse_slurm_time
+from etcslurm.job.environment import SlurmEnvironment
 from etcslurm.job.signals import DEFAULT_SIGNALS, SignalTrap, parse_signal
 from etcslurm.slurm.templates import render, render_het
 
@@ -329,10 +329,3 @@ class ElasticTask:
             target.checkpoint()
         self.checkpoints += 1
         return DelayedSubmission(self)
-
-
-def end_time_of(job_id: str) -> float | None:
-    """The current end time of a job from slurmctld (epoch seconds)."""
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True,
-                         text=True, timeout=10, check=False).stdout
-    return parse_slurm_time(out.splitlines()[0]) if out.strip() else None

@@ -29,7 +29,7 @@ from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
 from etcslurm.coord.server import BundledRedis
 from etcslurm.errors import EtcslurmError
-from etcslurm.runtime.launcher import (
+from etcslurm.local.launcher import (
     LOSS_TOLERANCE,
     DemoOptions,
     DemoResult,
@@ -270,14 +270,22 @@ def kill_receiver_mid_migration(redis_url: str, pw: str | None, run_dir: Path, s
     """3 workers; a 4th joins; while its replica is being sent to it (workers pause 2 s
     inside the migration to widen the window) it gets SIGKILL: the senders' exchange
     fails, nothing was applied, and the next generation is planned from the old state."""
-    opts = _options(redis_url, pw, run_dir, max(steps, 12), schedule="1:join=1;1:killjoiner=1",
+    opts = _options(redis_url, pw, run_dir, max(steps, 12), schedule="1:join=1",
                     **faults(migration_delay=2.0, **_hold_for_joiner(run_dir)))
 
     def inject(run: LocalRun, tracker: Tracker) -> None:
-        killed = [wp for wp in run.procs if wp.killed]
-        if killed:
-            tracker.fault_ts = killed[0].signalled_at
-            tracker.done = True
+        # SIGKILL the joiner once it reports received bytes: mid-migration, not before
+        rec = run.record
+        for ev in run.migration_events:
+            data = ev["data"]
+            wid = data.get("worker")
+            if (rec is None or rec.kind != "resize" or wid not in rec.joining
+                    or not data.get("recv")):
+                continue
+            if _signal_worker(run, wid, signal.SIGKILL):
+                tracker.fault_ts = time.time()
+                tracker.done = True
+                return
 
     row = _run("SIGKILL of a receiving rank mid-migration", opts,
                _release_when_joined(inject, run_dir), reference)

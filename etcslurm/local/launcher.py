@@ -29,9 +29,9 @@ from etcslurm.coord.server import BundledRedis
 from etcslurm.core.models import GPTSpec
 from etcslurm.errors import EtcslurmError, UsageError, WaitTimeout
 from etcslurm.groups.bounds import rendezvous_fails_within
+from etcslurm.local.schedule import ScheduledEvent, active_after, parse_schedule
 from etcslurm.parent_death import die_with_parent
 from etcslurm.runtime.config import RunSettings, settled_within
-from etcslurm.runtime.schedule import ScheduledEvent, active_after, parse_schedule
 
 #: |elastic − reference| loss tolerance: across a DP change the gradient sum runs in a
 #: different order (float32), which moves losses by ~1e-6 relative; see docs/runtime.md
@@ -134,7 +134,7 @@ class LocalRun:
     """Worker processes of one run on this machine, driven by the coordinator's events."""
 
     def __init__(self, opts: DemoOptions, run_id: str, run_dir: Path, url: str,
-                 password_file: str | None, spec: GPTSpec, initial: int) -> None:
+                 password_file: str | None, spec: GPTSpec | None, initial: int) -> None:
         self.opts, self.run_id, self.run_dir = opts, run_id, run_dir
         self.url, self.password_file, self.spec = url, password_file, spec
         self.procs: list[WorkerProc] = []
@@ -153,7 +153,6 @@ class LocalRun:
         self.record: GenerationRecord | None = None
         self.result = DemoResult(run_id, str(run_dir), opts.steps)
         self._joined_nodes = 0
-        self.kill_joiners = 0
         #: migration.progress / migration.rebuild events, for fault hooks that must strike
         #: at a given point of a migration
         self.migration_events: list[dict[str, Any]] = []
@@ -206,9 +205,6 @@ class LocalRun:
         if event.action == "join":
             self.spawn_joiners(event.count)
             return
-        if event.action == "killjoiner":  # armed: fires once a joiner reports received bytes
-            self.kill_joiners += event.count
-            return
         victims = self._victims(event.count)
         if len(victims) < event.count:
             raise UsageError(
@@ -222,20 +218,6 @@ class LocalRun:
                 wp.proc.send_signal(signal.SIGKILL)
             else:
                 wp.proc.send_signal(signal.SIGUSR2)
-
-    def _kill_receiving_joiner(self, progress: dict[str, Any]) -> None:
-        """``killjoiner`` (armed by the schedule): SIGKILL a joiner of the current resize
-        once it reports received bytes -- mid-migration, not before it starts."""
-        rec = self.record
-        wid = progress.get("worker")
-        if (self.kill_joiners <= 0 or rec is None or rec.kind != "resize"
-                or wid not in rec.joining or not progress.get("recv")):
-            return
-        wp = self.by_worker.get(wid)
-        if wp is not None and not wp.killed and wp.proc.poll() is None:
-            wp.killed, wp.signalled_at = True, time.time()
-            wp.proc.send_signal(signal.SIGKILL)
-            self.kill_joiners -= 1
 
     def poll_events(self, block_ms: int = 200) -> None:
         for ev in self.coord.read_events(self.last_id, block_ms=block_ms):
@@ -269,7 +251,6 @@ class LocalRun:
                 })
             elif kind in ("migration.progress", "migration.rebuild"):
                 self.migration_events.append(ev)
-                self._kill_receiving_joiner(data)
             elif kind == "migration.done":
                 self.result.migrations.append({
                     k: data.get(k) for k in ("gen", "from", "to", "seconds", "moved_bytes",
@@ -350,7 +331,7 @@ def drive(run: LocalRun, events: tuple[ScheduledEvent, ...], timeout: float,
                 f"{wp.log}:\n{_tail(wp.log)}", run.result)
 
 
-def reference_workers(spec: GPTSpec, workers: int) -> int:
+def reference_workers(spec: GPTSpec | None, workers: int) -> int:
     """Workers of the never-resized reference run.
 
     A dense model's initial state does not depend on the layout (megatron builds every
@@ -359,15 +340,16 @@ def reference_workers(spec: GPTSpec, workers: int) -> int:
     experts per expert-parallel rank, so the reference starts with the elastic run's own
     initial workers, in the same first layout, and never resizes.
     """
-    return workers if spec.moe else 1
+    return workers if spec is None or spec.moe else 1
 
 
 def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
              on_tick: Callable[[LocalRun], None] | None = None) -> DemoResult:
     """Run the elastic demo (and its no-resize reference) end to end."""
     say = progress or (lambda _msg: None)
-    spec = GPTSpec.parse(opts.model)
-    if opts.dtype is not None:
+    # no model: the workers' own builder names it (its shapes are read from it)
+    spec = GPTSpec.parse(opts.model) if opts.model else None
+    if opts.dtype is not None and spec is not None:
         spec = replace(spec, dtype=opts.dtype)
     events = parse_schedule(opts.schedule, steps=opts.steps)
     active_after(opts.workers, events)
@@ -395,10 +377,11 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
         with contextlib.suppress(OSError):
             (run_dir / "coordinator.url").write_text(url + "\n")
         run.spawn_initial(opts.workers)
-        say(f"run {run_id}: {opts.workers} workers training {spec} for {opts.steps} steps")
+        say(f"run {run_id}: {opts.workers} workers training {spec or 'their model'} for "
+            f"{opts.steps} steps")
         drive(run, events, opts.timeout, on_tick)
         result = run.result
-        result.dtype = spec.dtype
+        result.dtype = spec.dtype if spec is not None else "the model's"
         if opts.reference:
             n_ref = reference_workers(spec, opts.workers)
             say(f"reference run without resizes ({n_ref} worker{'s' if n_ref > 1 else ''})")

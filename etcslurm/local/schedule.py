@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from etcslurm.errors import UsageError
 
-_ENTRY = re.compile(r"^\s*(\d+)\s*:\s*(leave|join|kill|killjoiner)\s*=\s*(\d+)\s*$")
+_ENTRY = re.compile(r"^\s*(\d+)\s*:\s*(leave|join|kill)\s*=\s*(\d+)\s*$")
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,7 @@ class ScheduledEvent:
     """One resize trigger: at ``step`` (steps completed), ``action`` ``count`` workers."""
 
     step: int
-    # "leave" (signal), "join" (new process), "kill" (SIGKILL, fault demo), "killjoiner"
-    # (SIGKILL the next joiner while its state is being sent to it, fault tests)
+    # "leave" (signal), "join" (new process), "kill" (SIGKILL: a crashed node)
     action: str
     count: int
 
@@ -39,7 +38,7 @@ def parse_schedule(text: str, *, steps: int | None = None) -> tuple[ScheduledEve
         if not match:
             raise UsageError(
                 f"bad schedule entry {raw.strip()!r}: expected STEP:leave=N, STEP:join=N "
-                "STEP:kill=N or STEP:killjoiner=N, e.g. '15:leave=1;30:join=2'"
+                "or STEP:kill=N, e.g. '15:leave=1;30:join=2'"
             )
         step, action, count = int(match[1]), match[2], int(match[3])
         if count < 1:
