@@ -4,7 +4,8 @@ Run: ``python benchmarks/plan_scale.py [--optimizer adam|distributed|both]
 [--pattern dp|stage|scatter|all] [--model gpt-70b|llama3-70b|all] [--max-devices N]``.
 
 Targets, on one core: 8192 → 6144 devices < 1 s and < 1 GiB, 16384 → 12288
-< 2 s, for gpt-70b and llama3-70b, every leave pattern, both optimizers:
+< 2 s, for gpt-70b and llama3-70b, every leave pattern, both optimizers; 32768 → 24576
+(gpt-70b, ``--max-devices 32768``): the whole plan < 2 s, one rank's part < 0.5 s.
 
 - ``dp``: whole DP replicas leave (dp index >= new dp), the common preemption case;
 - ``stage``: whole pipeline stages leave (the last ranks; ``etcslurm plan --leave
@@ -51,6 +52,7 @@ CASES: dict[str, list[tuple[str, ParallelConfig, ParallelConfig]]] = {
         ("gpt-70b", P(8, 8, 64), P(8, 8, 48)),       # 4k
         ("gpt-70b", P(8, 8, 128), P(8, 8, 96)),      # 8k (target < 1 s)
         ("gpt-70b", P(8, 8, 256), P(8, 8, 192)),     # 16k (target < 2 s)
+        ("gpt-70b", P(8, 8, 512), P(8, 8, 384)),     # 32k (target < 2 s)
         ("llama3-70b", P(8, 8, 128), P(8, 8, 96)),   # 8k
         ("llama3-70b", P(8, 8, 256), P(8, 8, 192)),  # 16k
     ],
@@ -58,6 +60,7 @@ CASES: dict[str, list[tuple[str, ParallelConfig, ParallelConfig]]] = {
         ("gpt-70b", P(8, 8, 16), P(8, 8, 12)),       # 1k, leave 768-1023
         ("gpt-70b", P(8, 8, 128), P(8, 8, 96)),      # 8k, leave 6144-8191
         ("gpt-70b", P(8, 16, 128), P(8, 16, 96)),    # 16k, leave 12288-16383
+        ("gpt-70b", P(8, 8, 512), P(8, 8, 384)),     # 32k, leave 24576-32767
         ("llama3-70b", P(8, 8, 128), P(8, 8, 96)),   # 8k, leave 6144-8191
         ("llama3-70b", P(8, 16, 128), P(8, 16, 96)),  # 16k, leave 12288-16383
     ],
@@ -155,6 +158,8 @@ def main() -> None:
     ap.add_argument("--pattern", default="all", choices=["dp", "stage", "scatter", "all"])
     ap.add_argument("--model", default="all", choices=["gpt-70b", "llama3-70b", "all"])
     ap.add_argument("--max-devices", type=int, default=16384)
+    ap.add_argument("--write-results", action="store_true",
+                    help="write docs/results/plan_scale.md")
     ap.add_argument("--one", nargs=3, metavar=("OPT", "PATTERN", "IDX"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -193,6 +198,18 @@ def main() -> None:
     print()
     print("one rank's own part (plan(..., for_device=...)), the slowest sampled rank, cpu_s:")
     print("\n".join(_summary(rows, "rank_cpu_s")))
+    if args.write_results:
+        from etcslurm.bench.results import write_results
+
+        at_bound = all(r["at_lower_bound"] for r in rows)
+        table = "\n".join([
+            "The whole plan, CPU seconds (one core):", "", *_summary(rows), "",
+            "The decider's plan (the assignment and the totals), CPU seconds:", "",
+            *_summary(rows, "decide_cpu_s"), "",
+            "One rank's own part (the slowest sampled rank), CPU seconds:", "",
+            *_summary(rows, "rank_cpu_s"), "",
+            f"Moved bytes equal the lower bound in every row: {'yes' if at_bound else 'NO'}."])
+        print(write_results("plan_scale", table, rows, title="Planning at scale"))
 
 
 if __name__ == "__main__":
