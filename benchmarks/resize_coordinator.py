@@ -64,9 +64,9 @@ from rich.table import Table
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import ACTIVE, Coordinator
 from etcslurm.coord.records import GenerationRecord
-from etcslurm.coord.server import BundledRedis
 from etcslurm.coord.store import RedisStore
 from etcslurm.core.models import PRESETS
+from etcslurm.redis_host.server import BundledRedis
 from etcslurm.runtime import transitions
 from etcslurm.runtime.boundary import Boundary
 from etcslurm.runtime.config import RunSettings, WorkerOptions

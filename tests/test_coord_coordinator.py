@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from etcslurm.coord.acl import grant_run_user, revoke_run_user, run_user_url
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator, SpecMismatch
 from etcslurm.coord.records import ChangeRequest, GenerationRecord, parse_event
 from etcslurm.coord.schema import Keys
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.errors import CoordinatorError, RecordError, UsageError, WaitTimeout
+from etcslurm.redis_host.acl import grant_run_user, revoke_run_user, run_user_url
 from tests.helpers import generation_record, redis_commands
 
 pytestmark = pytest.mark.redis

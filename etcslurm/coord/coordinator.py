@@ -743,7 +743,7 @@ class Coordinator:
         """All existing keys of this run.
 
         Derived from what the run tracks (workers, store generations), not
-        from ``SCAN``: a per-run ACL user may not list key names (see ``coord/acl.py``).
+        from ``SCAN``: a per-run ACL user may not list key names (see ``redis_host/acl.py``).
         The ``ended`` tombstone that :meth:`end_run` leaves (with a TTL) is not listed.
         """
         k = self.keys

@@ -27,8 +27,8 @@ from typing import Any
 
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
-from etcslurm.coord.server import BundledRedis
 from etcslurm.errors import EtcslurmError
+from etcslurm.redis_host.server import BundledRedis
 from etcslurm.runtime.launcher import LOSS_TOLERANCE, DemoOptions, DemoResult, LocalRun, run_demo
 
 #: fault detection knobs used by the scenarios: the runtime's defaults (10 s each).  Lower
@@ -574,9 +574,9 @@ def kill_coordinator_primary(redis_url: str | None, pw: str | None, run_dir: Pat
     step 6).  ``recover_s``: the kill to the first step event after it."""
     import threading
 
-    from etcslurm.coord import failover
     from etcslurm.coord.client import sentinel_url
-    from etcslurm.coord.sentinel import Site
+    from etcslurm.redis_host import failover
+    from etcslurm.redis_host.sentinel import Site
 
     started: list[Site] = []
     try:
