@@ -18,7 +18,7 @@ until the slowest worker is done:
   run's ``news`` stream, O(1) each); then every worker reads the record once.  Marks: the
   decider's ``publish_next`` (and its world view and plan), and when the last worker
   had the record, and what one worker's parse of the record costs (each host parses it
-  once; the threads here share one parse, see ``coordinator._parse_record``).  The row ``(a waiting worker's re-check)`` is what one waiter costs
+  once; the threads here share one parse, see ``generations._parse_record``).  The row ``(a waiting worker's re-check)`` is what one waiter costs
   each time it looks again without news (one ``head`` call, every 2 s): shown apart,
   not in the total.
 * ``form new world``: the new world's N-k ranks on :class:`~etcslurm.coord.store.RedisStore`

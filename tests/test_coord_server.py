@@ -141,7 +141,7 @@ def test_call_survives_short_outage(server):
     while co.last_beat_error is not None:  # the heartbeat thread recovers by itself
         assert time.monotonic() - t0 < 5
         time.sleep(0.05)
-    assert co._thread is not None and co._thread.is_alive()
+    assert co.membership._thread is not None and co.membership._thread.is_alive()
     co.stop_heartbeat()
 
 
