@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
-from etcslurm.coord.records import Assignment, ChangeRequest, GenerationRecord
+from etcslurm.coord.records import Assignment, ChangeRequest, GenerationRecord, replace
 from etcslurm.core.gpt_state import expand
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec

@@ -11,13 +11,12 @@ from __future__ import annotations
 import ast
 import inspect
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from etcslurm.coord.records import ChangeRequest, GenerationRecord
+from etcslurm.coord.records import ChangeRequest, GenerationRecord, replace
 from etcslurm.errors import StateLostError, WaitTimeout
 from etcslurm.runtime import recovery, transitions
 from etcslurm.runtime.generation import end_generation

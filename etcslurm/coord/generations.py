@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from etcslurm.coord import schema, scripts
 from etcslurm.coord.events import EventLog
-from etcslurm.coord.records import GenerationRecord, GenerationStart
+from etcslurm.coord.records import GenerationRecord, GenerationStart, replace
 from etcslurm.coord.run import RunHandle
 from etcslurm.coord.schema import loads_dict
 from etcslurm.errors import RecordError, UsageError, WaitTimeout

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
 from etcslurm.coord.coordinator import ACTIVE, JOINING
-from etcslurm.coord.records import GenerationRecord
+from etcslurm.coord.records import GenerationRecord, replace
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.planner import MigrationPlan
 from etcslurm.errors import StateLostError, WaitTimeout
