@@ -138,10 +138,6 @@ class Coordinator:
         return self.membership.info
 
     @property
-    def evicted(self) -> bool:
-        return self.membership.evicted
-
-    @property
     def heartbeat_interval(self) -> float:
         return self.membership.heartbeat_interval
 

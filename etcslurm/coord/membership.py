@@ -79,7 +79,6 @@ class Membership:
         self.dead_after = dead_after
         self.max_workers = max_workers
         self.info: dict[str, Any] = {}
-        self.evicted = False  # set when the others marked this live worker gone
         self.last_beat_ok = 0.0  # time.monotonic() of the last successful heartbeat
         self.last_beat_error: str | None = None
         self._lock = threading.Lock()
@@ -178,8 +177,7 @@ class Membership:
 
         ``deadline``: seconds to retry an outage (default 0: one try, the heartbeat
         thread just tries again next interval).  Returns the state stored for this
-        worker; if others marked it ``gone`` while it was alive, :attr:`evicted` is set so
-        the runtime can stop cleanly; after ``end_run`` it returns ``"ended"``, sets the run's ``ended`` and
+        worker; after ``end_run`` it returns ``"ended"``, sets the run's ``ended`` and
         stops the heartbeat thread (nothing is re-created).
         """
         run, k = self.run, self.run.keys
@@ -202,8 +200,6 @@ class Membership:
         if state == "ended":
             run.ended = True
             self._stop.set()  # the run is over: the heartbeat thread ends by itself
-        elif state == GONE and self.info.get("state") != GONE:
-            self.evicted = True
         return state
 
     def start_heartbeat(self) -> None:
