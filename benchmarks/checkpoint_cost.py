@@ -200,8 +200,8 @@ def main() -> None:
     if args.every < 1 or args.steps < args.every:
         ap.error("--steps must cover at least one --every interval")
 
-    from etcslurm.coord.server import BundledRedis
     from etcslurm.parent_death import die_with_parent
+    from etcslurm.redis_host.server import BundledRedis
 
     load0 = os.getloadavg()
     t0 = time.perf_counter()

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
-from etcslurm.coord.server import BundledRedis
+from etcslurm.redis_host.server import BundledRedis
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ import os
 import sys
 from pathlib import Path
 
-from etcslurm.coord.server import BundledRedis
+from etcslurm.redis_host.server import BundledRedis
 from etcslurm.testing.fault_scenarios import (
     SCENARIOS,
     Row,

@@ -23,10 +23,10 @@ from etcslurm.bench.results import markdown_table, write_results
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
 from etcslurm.coord.records import Assignment, GenerationRecord
-from etcslurm.coord.server import BundledRedis
 from etcslurm.monitor import live
 from etcslurm.monitor.model import RunModel
 from etcslurm.monitor.source import RunSource
+from etcslurm.redis_host.server import BundledRedis
 
 
 def _record() -> GenerationRecord:

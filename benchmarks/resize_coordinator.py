@@ -18,7 +18,7 @@ until the slowest worker is done:
   run's ``news`` stream, O(1) each); then every worker reads the record once.  Marks: the
   decider's ``publish_next`` (and its world view and plan), and when the last worker
   had the record, and what one worker's parse of the record costs (each host parses it
-  once; the threads here share one parse, see ``coordinator._parse_record``).  The row ``(a waiting worker's re-check)`` is what one waiter costs
+  once; the threads here share one parse, see ``generations._parse_record``).  The row ``(a waiting worker's re-check)`` is what one waiter costs
   each time it looks again without news (one ``head`` call, every 2 s): shown apart,
   not in the total.
 * ``form new world``: the new world's N-k ranks on :class:`~etcslurm.coord.store.RedisStore`
@@ -64,9 +64,9 @@ from rich.table import Table
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import ACTIVE, Coordinator
 from etcslurm.coord.records import GenerationRecord
-from etcslurm.coord.server import BundledRedis
 from etcslurm.coord.store import RedisStore
 from etcslurm.core.models import PRESETS
+from etcslurm.redis_host.server import BundledRedis
 from etcslurm.runtime import transitions
 from etcslurm.runtime.boundary import Boundary
 from etcslurm.runtime.config import RunSettings, WorkerOptions

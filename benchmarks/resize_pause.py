@@ -42,9 +42,9 @@ from rich.table import Table
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
 from etcslurm.coord.records import ChangeRequest
-from etcslurm.coord.server import BundledRedis
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.local.launcher import DemoOptions, DemoResult, run_demo
+from etcslurm.redis_host.server import BundledRedis
 
 #: table columns: (title, the phases of migration.done it sums)
 COLUMNS = (

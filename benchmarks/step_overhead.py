@@ -262,7 +262,7 @@ def main() -> None:
         child(args)
         return
 
-    from etcslurm.coord.server import BundledRedis
+    from etcslurm.redis_host.server import BundledRedis
 
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()

@@ -42,7 +42,7 @@ def own_redis_client(tmp_path: Path):
     """A client of a Redis server of this test's own, for tests that count the server's
     commands: sbin/test runs the ``waits`` tests beside the others on the shared one."""
     from etcslurm.coord.client import connect
-    from etcslurm.coord.server import BundledRedis
+    from etcslurm.redis_host.server import BundledRedis
 
     with BundledRedis(tmp_path / "own-redis") as srv:
         client = connect(srv.url, srv.password_file, retry_deadline=5)

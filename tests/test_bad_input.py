@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from etcslurm.coord.acl import grant_run_user, revoke_run_user, run_user_url
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator, SpecMismatch
 from etcslurm.coord.schema import Keys
 from etcslurm.errors import CoordinatorError, UsageError
+from etcslurm.redis_host.acl import grant_run_user, revoke_run_user, run_user_url
 
 USAGE, COORD, LOST = UsageError.exit_code, CoordinatorError.exit_code, 5
 

@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from etcslurm.coord.acl import grant_run_user, revoke_run_user, run_user_url
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator, SpecMismatch
 from etcslurm.coord.records import ChangeRequest, GenerationRecord, parse_event
 from etcslurm.coord.schema import Keys
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.errors import CoordinatorError, RecordError, UsageError, WaitTimeout
+from etcslurm.redis_host.acl import grant_run_user, revoke_run_user, run_user_url
 from tests.helpers import generation_record, redis_commands
 
 pytestmark = pytest.mark.redis
@@ -174,13 +174,13 @@ def _block_on_news(a: Coordinator, b: Coordinator, client) -> None:
     assert b.watch(-1, timeout=0.1).generation == -1  # nothing yet: back after the timeout
     got: list = []
     reads: list[int] = []
-    real_read = b.current_generation
+    real_read = b.generations.current
 
     def counted() -> GenerationRecord | None:
         reads.append(1)
         return real_read()
 
-    b.current_generation = counted  # type: ignore[method-assign]
+    b.generations.current = counted  # type: ignore[method-assign]
     waiter = threading.Thread(target=lambda: got.append(b.wait_generation(after=-1, timeout=20)))
     waiter.start()
     time.sleep(0.5)  # blocked: a handful of commands, no record read

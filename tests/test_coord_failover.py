@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from etcslurm.coord import failover
 from etcslurm.coord.client import (
     connect,
     parse_sentinel_url,
@@ -21,11 +20,12 @@ from etcslurm.coord.client import (
     with_password,
 )
 from etcslurm.coord.coordinator import Coordinator
-from etcslurm.coord.sentinel import Site
-from etcslurm.coord.server import BundledRedis
 from etcslurm.errors import CoordinatorError
 from etcslurm.monitor.model import RunModel
 from etcslurm.monitor.source import RunSource
+from etcslurm.redis_host import failover
+from etcslurm.redis_host.sentinel import Site
+from etcslurm.redis_host.server import BundledRedis
 from tests.helpers import generation_record
 
 #: Sentinel's down-after in these tests.  Not lower: on the 2 loaded CI cores a freshly

@@ -1,10 +1,9 @@
-"""Typed records (coord/records.py): round trips, refusals that name the problem, and the
+"""Typed records (coord/records/): round trips, refusals that name the problem, and the
 docs listing exactly the fields the code has."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from etcslurm.coord.records import (
     field_summary,
     pack_ids,
     parse_event,
+    replace,
     unpack_ids,
 )
 from etcslurm.errors import CoordinatorError, RecordError
@@ -74,11 +74,21 @@ def test_generation_record_round_trips_through_json() -> None:
     assert GenerationRecord.from_json(doc) == rec
     assert rec.rank_of("w1") == 0 and rec.rank_of("w2") is None
     assert rec.workers_by_rank() == ["w1"]
-    # the full form (version 1: every row spelled out) is what tools read, and still read
+    # a changed record is checked again, and knows its own ranks
+    moved = replace(rec, assignment=(Assignment(0, "w2", "n2", 0, 0, 0),))
+    assert moved.rank_of("w2") == 0 and moved.rank_of("w1") is None and rec.rank_of("w1") == 0
+    with pytest.raises(RecordError, match="field 'kind' must be one of"):
+        replace(rec, kind="grow")
+    # the full form (every row spelled out) is what tools read; it is not a stored form,
+    # and no other version of the stored form is read either
     full = rec.to_dict()
     assert full["assignment"][0] == {"rank": 0, "worker": "w1", "node": "n1", "tp": 0,
                                      "pp": 0, "dp": 0}
-    assert GenerationRecord.from_json(full) == rec
+    assert full["nodes"] == {"w1": "n1", "w2": "n2"} and full["leaving"] == ["w2"]
+    with pytest.raises(RecordError, match="field 'nodes'"):
+        GenerationRecord.from_json(full)
+    with pytest.raises(RecordError, match="version 1 is not supported"):
+        GenerationRecord.from_json({**doc, "version": 1})
 
 
 def _big(n: int) -> GenerationRecord:
@@ -138,6 +148,11 @@ def test_the_stored_record_is_compact_and_lossless() -> None:
     ({"version": 7}, "version 7 is not supported"),
     ({"nodes": {"n1": "w1"}}, "field 'nodes'['n1'] must be a list of worker ids"),
     ({"generation": True}, "field 'generation' must be integer, got True"),
+    ({"published_at": float("nan")}, "field 'published_at' must be number or null, got nan"),
+    ({"planner_ids": {"w1": 3}}, "field 'planner_ids'['w1'] must be string, got 3"),
+    ({"assignment": [{"rank": 0, "worker": "w1", "node": "n1", "tp": 0, "pp": 0, "dp": "0"}]},
+     "field 'assignment'[0]['dp'] must be integer, got '0'"),
+    ({"layout": "x", "shape": "y"}, "unknown field 'layout' (and 1 more)"),
 ])
 def test_malformed_generation_records_are_refused_naming_the_field(change: dict,
                                                                     needle: str) -> None:
@@ -175,6 +190,8 @@ def test_every_event_type_round_trips() -> None:
       "data": {**SAMPLES["migration.progress"], "sent": 1.5}}, "field 'sent' must be integer"),
     ({"type": "step", "ts": 1, "worker": "w1", "data": [1, 2]}, "expected a JSON object"),
     ({"type": 5, "ts": 1, "worker": "w1", "data": {}}, "field 'type' must be a string"),
+    ({"type": "step", "ts": 1, "worker": "w1", "data": {**SAMPLES["step"], "loss": float("inf")}},
+     "(step): field 'loss' must be number, got inf"),
 ])
 def test_unknown_and_malformed_events_are_refused(raw: dict, needle: str) -> None:
     with pytest.raises(RecordError) as exc:

@@ -87,7 +87,7 @@ def _first_non_loopback_ipv4() -> str | None:
 def test_bundled_redis_listens_on_loopback_unless_asked(tmp_path):
     """The kernel's socket table, not the config file: only 127.0.0.1 listens by default;
     a non-loopback address of this host cannot reach it; ``host=`` opens it on request."""
-    from etcslurm.coord.server import BundledRedis
+    from etcslurm.redis_host.server import BundledRedis
 
     with BundledRedis(tmp_path / "a") as srv:
         assert _listening(srv.port) == ["127.0.0.1"]

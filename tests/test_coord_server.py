@@ -19,8 +19,8 @@ import pytest
 
 from etcslurm.coord.client import connect, with_password
 from etcslurm.coord.coordinator import Coordinator
-from etcslurm.coord.server import BundledRedis, _alive
 from etcslurm.errors import CoordinatorError
+from etcslurm.redis_host.server import BundledRedis, _alive
 from tests.helpers import generation_record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,7 +141,7 @@ def test_call_survives_short_outage(server):
     while co.last_beat_error is not None:  # the heartbeat thread recovers by itself
         assert time.monotonic() - t0 < 5
         time.sleep(0.05)
-    assert co._thread is not None and co._thread.is_alive()
+    assert co.membership._thread is not None and co.membership._thread.is_alive()
     co.stop_heartbeat()
 
 
@@ -173,7 +173,7 @@ def test_redis_unreachable_30s_is_survivable(server):
 
 def test_server_stops_when_owner_exits(tmp_path):
     code = (
-        "import sys; from etcslurm.coord.server import BundledRedis;"
+        "import sys; from etcslurm.redis_host.server import BundledRedis;"
         "s = BundledRedis(sys.argv[1]).start(); print(s.pid, flush=True)"
     )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
@@ -188,7 +188,7 @@ def test_server_stops_when_owner_exits(tmp_path):
 
 def test_server_stops_when_owner_is_killed(tmp_path):
     code = (
-        "import sys, time; from etcslurm.coord.server import BundledRedis;"
+        "import sys, time; from etcslurm.redis_host.server import BundledRedis;"
         "s = BundledRedis(sys.argv[1]).start(); print(s.pid, flush=True); time.sleep(60)"
     )
     owner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,

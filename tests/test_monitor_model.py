@@ -3,9 +3,9 @@ coordinator's API, folded into a RunView, drawn at 80×24."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
+import msgspec
 import pytest
 
 from etcslurm.coord.client import connect
@@ -156,7 +156,7 @@ def test_keys_repair_missed_events(redis_url: str, run_id: str) -> None:
 def _ev(i: int, type_: str, ts: float, **data) -> Event:
     """An event emitted by ``data["worker"]`` (kept in the payload when its type has it)."""
     worker = data.get("worker", "w1")
-    if "worker" not in {f.name for f in dataclasses.fields(EVENT_TYPES[type_])}:
+    if "worker" not in {f.name for f in msgspec.structs.fields(EVENT_TYPES[type_])}:
         data.pop("worker", None)
     return Event(type_, ts, worker, event_data(type_, data), f"{i}-0")
 

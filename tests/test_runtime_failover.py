@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 
-from etcslurm.coord import failover
 from etcslurm.coord.client import CoordClient, connect, sentinel_url
 from etcslurm.coord.coordinator import Coordinator
-from etcslurm.coord.sentinel import Site
 from etcslurm.local.launcher import LOSS_TOLERANCE, DemoOptions, LocalRun, run_demo
+from etcslurm.redis_host import failover
+from etcslurm.redis_host.sentinel import Site
 from etcslurm.testing.fault_scenarios import Tracker, at_step
 from tests import test_coord_failover as coord_failover
 from tests.helpers import generation_record, pids_alive

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+import dataclasses
 
 import pytest
 
-from etcslurm.coord.records import Assignment, ChangeRequest, GenerationRecord
+from etcslurm.coord.records import Assignment, ChangeRequest, GenerationRecord, replace
 from etcslurm.core.layout import NoLayoutFits, ParallelConfig
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.plan import plan
@@ -212,11 +212,11 @@ def test_user_limits_pin_layouts_and_bound_the_world() -> None:
                        max_world=4)
     rec = first_generation(s, ws, nodes(*ws))
     assert rec.world == 4 and rec.idle == ("w5", "w6") and "max_world=4" in rec.reason
-    pinned = replace(s, layouts=("tp=2",))
+    pinned = dataclasses.replace(s, layouts=("tp=2",))
     assert first_generation(pinned, ws, nodes(*ws)).to_layout == "tp2pp1dp2"
-    listed = replace(s, layouts=("tp1pp2dp2", "tp1pp1dp3"))
+    listed = dataclasses.replace(s, layouts=("tp1pp2dp2", "tp1pp1dp3"))
     assert first_generation(listed, ws, nodes(*ws)).to_layout == "tp1pp2dp2"  # most devices
-    first = replace(s, first_layout="tp1pp2dp1")
+    first = dataclasses.replace(s, first_layout="tp1pp2dp1")
     rec = first_generation(first, ws, nodes(*ws))
     assert rec.to_layout == "tp1pp2dp1" and len(rec.idle) == 4
     # later generations choose again (within the limits, keeping TP and PP)
@@ -224,9 +224,9 @@ def test_user_limits_pin_layouts_and_bound_the_world() -> None:
                              nodes=nodes(*ws), step=3, scalars={}, reason="t")
     assert nxt.to_layout == "tp1pp2dp2" and len(nxt.idle) == 2
     with pytest.raises(NoLayoutFits, match="fewer than min_world=3"):
-        first_generation(replace(s, min_world=3), ws[:2], nodes(*ws))
+        first_generation(dataclasses.replace(s, min_world=3), ws[:2], nodes(*ws))
     with pytest.raises(NoLayoutFits, match="first layout tp1pp2dp2 needs 4"):
-        first_generation(replace(s, first_layout="tp1pp2dp2"), ws[:3], nodes(*ws))
+        first_generation(dataclasses.replace(s, first_layout="tp1pp2dp2"), ws[:3], nodes(*ws))
 
 
 def test_a_shrink_no_layout_fits_checkpoints_for_standby() -> None:
@@ -240,4 +240,4 @@ def test_a_shrink_no_layout_fits_checkpoints_for_standby() -> None:
     assert f"; {STANDBY}: 2 devices: fewer than min_world=3" in rec.reason
     assert set(rec.union) == set(ws)
     # a joiner that would not change the layout is no reason to change
-    assert not worth_changing(replace(s, max_world=4), gen, leaving=[], dead=[], ready=["w9"])
+    assert not worth_changing(dataclasses.replace(s, max_world=4), gen, leaving=[], dead=[], ready=["w9"])

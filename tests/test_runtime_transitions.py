@@ -9,15 +9,15 @@ multi-process tests (test_runtime_elastic.py, test_faults.py, test_slurm_elastic
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from etcslurm.coord.records import ChangeRequest, GenerationRecord
+from etcslurm.coord.records import ChangeRequest, GenerationRecord, replace
 from etcslurm.errors import StateLostError, WaitTimeout
 from etcslurm.runtime import recovery, transitions
 from etcslurm.runtime.generation import end_generation
@@ -374,7 +374,7 @@ def test_the_decider_agreed_in_the_vote_publishes_without_asking_redis() -> None
 def test_no_layout_fits_the_first_workers_waits_as_standby_then_starts() -> None:
     coord = FakeCoordinator({"w1": member("joining"), "w2": member("joining")})
     ctx = context("w1", coord, initial=2, join_timeout=5.0)
-    ctx.settings = replace(ctx.settings, min_world=3)
+    ctx.settings = dataclasses.replace(ctx.settings, min_world=3)
 
     def third_arrives(c: FakeCoordinator) -> None:
         if "run.standby" in c.event_types():
@@ -391,7 +391,7 @@ def test_no_layout_fits_the_first_workers_waits_as_standby_then_starts() -> None
 def test_standby_that_lasts_times_out_naming_the_reason() -> None:
     coord = FakeCoordinator({"w1": member("joining")})
     ctx = context("w1", coord, initial=1, join_timeout=0.2)
-    ctx.settings = replace(ctx.settings, min_world=2)
+    ctx.settings = dataclasses.replace(ctx.settings, min_world=2)
     with pytest.raises(WaitTimeout, match=r"standby for 0.2 s: 1 devices: fewer than min_world"):
         settle(ctx, transitions.first, State(Phase.FIRST))
 
@@ -400,7 +400,7 @@ def test_a_shrink_below_what_fits_checkpoints_and_says_standby() -> None:
     coord, gen0 = _running(["w1", "w2", "w3"])
     coord.workers["w3"]["state"] = "leaving"
     ctx = _member_of(coord, gen0, "w1")
-    ctx.settings = replace(ctx.settings, min_world=3)
+    ctx.settings = dataclasses.replace(ctx.settings, min_world=3)
     transitions.publish_next(ctx, reason="resize at step boundary")
     assert coord.records[-1].kind == "checkpoint"
     assert ("run.standby", {"reason": "2 devices: fewer than min_world=3"}) in coord.events

@@ -419,7 +419,7 @@ class Availability:
             time.sleep(self.every)
 
     def _watch(self) -> None:
-        from etcslurm.coord import failover
+        from etcslurm.redis_host import failover
 
         while not self.stop.is_set():
             try:
@@ -459,7 +459,7 @@ def test_preempting_the_job_of_the_coordinators_primary_hands_it_over(
     site with it.  Later task 3 is preempted (3 -> 2).  Losses equal the reference; no
     write through the Sentinels failed, and the longest one measures the time the run had
     no primary (the hand-over's pause, not Sentinel's ``down-after``)."""
-    from etcslurm.coord import failover
+    from etcslurm.redis_host import failover
 
     run_dir = tmp_path / "run"
     spec = tmp_path / "spec.json"

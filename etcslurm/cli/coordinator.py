@@ -129,14 +129,14 @@ def _address(text: str, what: str) -> tuple[str, int]:
 
 def _start_site(args: argparse.Namespace) -> int:
     from etcslurm.coord.client import connect, read_password_file
-    from etcslurm.coord.sentinel import Site
-    from etcslurm.coord.server import read_state
+    from etcslurm.redis_host.sentinel import Site
+    from etcslurm.redis_host.server import read_state
 
     password = read_password_file(args.password_file) if args.password_file else None
     replica_of = _address(args.replica_of, "--replica-of") if args.replica_of else None
     joined = None
     if args.join is not None:
-        from etcslurm.coord import failover
+        from etcslurm.redis_host import failover
 
         joined = connect(_env_url(args.join), args.password_file, retry_deadline=30)
         top = failover.topology(joined)
@@ -157,7 +157,7 @@ def _start_site(args: argparse.Namespace) -> int:
         site.stop()
         raise
     if joined is not None:
-        from etcslurm.coord import failover
+        from etcslurm.redis_host import failover
 
         # departed sites' Sentinels still count against the majority a failover needs:
         # make the Sentinels forget them (they relearn the live ones within 10 s)
@@ -192,7 +192,7 @@ def _start_site(args: argparse.Namespace) -> int:
 
 
 def _start(args: argparse.Namespace) -> int:
-    from etcslurm.coord.server import BundledRedis, read_state, running_state
+    from etcslurm.redis_host.server import BundledRedis, read_state, running_state
 
     _check_port(args.port)
     _check_port(args.sentinel_port)
@@ -233,9 +233,9 @@ def _start(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from etcslurm.coord.sentinel import stop_sentinel_of
-    from etcslurm.coord.server import stop_detached
     from etcslurm.errors import UsageError
+    from etcslurm.redis_host.sentinel import stop_sentinel_of
+    from etcslurm.redis_host.server import stop_detached
 
     if stop_sentinel_of(args.run_dir):
         print(f"stopped the Sentinel of {args.run_dir}")
@@ -252,7 +252,7 @@ def _stop(args: argparse.Namespace) -> int:
 
 def _url(args: argparse.Namespace) -> int:
     from etcslurm.coord.client import read_password_file, with_password
-    from etcslurm.coord.server import read_state
+    from etcslurm.redis_host.server import read_state
 
     state = read_state(args.run_dir)
     url = str(state["url"])
@@ -265,9 +265,9 @@ def _url(args: argparse.Namespace) -> int:
 def _grant(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from etcslurm.coord.acl import grant_run_user
     from etcslurm.coord.client import connect, redact, with_password
-    from etcslurm.coord.server import read_state, write_private
+    from etcslurm.redis_host.acl import grant_run_user
+    from etcslurm.redis_host.server import read_state, write_private
 
     state = read_state(args.run_dir)
     admin = connect(str(state["url"]), str(state["password_file"]))
@@ -281,8 +281,8 @@ def _grant(args: argparse.Namespace) -> int:
 
 
 def _sites(args: argparse.Namespace) -> int:
-    from etcslurm.coord import failover
     from etcslurm.coord.client import connect
+    from etcslurm.redis_host import failover
 
     client = connect(_env_url(args.url), args.password_file, retry_deadline=10)
     try:
@@ -306,9 +306,9 @@ def _sites(args: argparse.Namespace) -> int:
 
 
 def _hand_over(args: argparse.Namespace) -> int:
-    from etcslurm.coord import failover
     from etcslurm.coord.client import connect
-    from etcslurm.coord.server import read_state
+    from etcslurm.redis_host import failover
+    from etcslurm.redis_host.server import read_state
 
     only = None
     if args.only_site:

@@ -217,7 +217,6 @@ class CoordClient:
         self.redis = client
         self.url = redact(url)
         self.retry_deadline = retry_deadline
-        self._kwargs: dict[str, object] = {}
         #: the Sentinel manager (replicated coordinator) or ``None`` (one server)
         self.sentinel = sentinel
         self.service = service

@@ -54,7 +54,7 @@ class Keys:
         self.news = p + "news"  # stream of 'gen'/'committed' notices that waiters block on
         self.committed = p + "committed"  # number of the last generation every member entered
         self.events = p + "events"  # stream: type, ts, data (JSON), worker
-        self.changes = p + "changes"  # list of JSON change requests (coord/records.py)
+        self.changes = p + "changes"  # list of JSON change requests (coord/records/change.py)
         self.stores = p + "stores"  # set of store generations used (for end_run)
         self.ended = p + "ended"  # tombstone (with TTL) written by end_run
         # hash worker id -> the failed generation after which it stands by on its old state

@@ -11,9 +11,9 @@ Waiting blocks instead of polling: every write also appends a notice to the stor
 ``...:news`` stream, and ``get``/``wait`` check their keys (one command, which also
 returns the stream's newest id) and, while some are missing, block in ``XREAD`` from
 that id, so a write after the check wakes them at once and nothing is lost between the
-two.  A rank that waits W seconds costs a handful of commands, not W / 20 ms polls: with
-polling, 1023 ranks waiting for rank 0's NCCL id sent Redis 68 000 commands in one
-resize at 1024 workers (``benchmarks/resize_coordinator.py``, 12-01).  At the store
+two.  A rank that waits W seconds costs a handful of commands, not W / 20 ms polls
+(polling, 1023 ranks waiting for rank 0's NCCL id send Redis tens of thousands of
+commands in one resize at 1024 workers: ``benchmarks/resize_coordinator.py``).  At the store
 timeout they raise the ``DistStoreError`` that torch expects, naming the missing keys.
 """
 

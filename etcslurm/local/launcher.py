@@ -25,12 +25,12 @@ from typing import Any
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
 from etcslurm.coord.records import GenerationRecord
-from etcslurm.coord.server import BundledRedis
 from etcslurm.core.models import GPTSpec
 from etcslurm.errors import EtcslurmError, UsageError, WaitTimeout
 from etcslurm.groups.bounds import rendezvous_fails_within
 from etcslurm.local.schedule import ScheduledEvent, active_after, parse_schedule
 from etcslurm.parent_death import die_with_parent
+from etcslurm.redis_host.server import BundledRedis
 from etcslurm.runtime.config import RunSettings, settled_within
 
 #: |elastic − reference| loss tolerance: across a DP change the gradient sum runs in a

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from etcslurm.coord import failover, schema
+from etcslurm.coord import schema
 from etcslurm.coord.client import CoordClient, connect, redact
 from etcslurm.coord.coordinator import Coordinator
 from etcslurm.coord.records import Event, parse_event
 from etcslurm.errors import EtcslurmError, RecordError, UsageError
 from etcslurm.monitor.model import Refused, RunModel
+from etcslurm.redis_host import failover
 
 ENV_URL = "ETCSLURM_REDIS_URL"
 ENV_RUN_DIR = "ETCSLURM_RUN_DIR"
@@ -43,7 +44,7 @@ def resolve_url(
         return url, password_file
     if not run_dir and os.environ.get(ENV_URL):
         return os.environ[ENV_URL], password_file
-    from etcslurm.coord.server import STATE_FILE, read_state
+    from etcslurm.redis_host.server import STATE_FILE, read_state
 
     directory = Path(run_dir or os.environ.get(ENV_RUN_DIR) or ".")
     if not (directory / STATE_FILE).exists():

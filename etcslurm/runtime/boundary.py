@@ -82,7 +82,7 @@ class Boundary:
                                  daemon=True).start()
 
     def _hand_over(self) -> None:
-        from etcslurm.coord.failover import hand_over_local
+        from etcslurm.redis_host.failover import hand_over_local
 
         try:
             done = hand_over_local(self.coord.client)

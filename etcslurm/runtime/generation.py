@@ -12,16 +12,16 @@ so a model the analytic description does not match is still migrated exactly.  N
 but this small record travels through Redis.  No torch, no Redis here: the decisions are
 unit-testable and deterministic.
 
-The record's fields are listed in ``coord/records.py`` (and docs/coordinator.md).
+The record's fields are listed in ``coord/records/generation.py`` (and docs/coordinator.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from etcslurm.coord.records import Assignment, ChangeRequest, GenerationRecord
+from etcslurm.coord.records import Assignment, ChangeRequest, GenerationRecord, replace
 from etcslurm.core.layout import (
     LayoutDecision,
     LayoutFilter,

@@ -35,11 +35,11 @@ from typing import Any
 import torch.distributed as dist
 
 from etcslurm.coord.coordinator import GONE
-from etcslurm.coord.sentinel import host_address
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
 from etcslurm.errors import EtcslurmError, UsageError
 from etcslurm.hooks import NO_HOOKS, Hooks
+from etcslurm.redis_host.sentinel import host_address
 from etcslurm.runtime import checkpointing, recovery, steps, transitions
 from etcslurm.runtime.boundary import Boundary, DataLog
 from etcslurm.runtime.config import Builder, RunSettings, WorkerOptions

@@ -15,6 +15,7 @@ from typing import Any
 
 from etcslurm.coord.coordinator import ACTIVE, JOINING
 from etcslurm.coord.records import GenerationRecord
+from etcslurm.coord.records import replace as replace_record
 from etcslurm.core.layout import NoLayoutFits, ParallelConfig
 from etcslurm.errors import StateLostError, WaitTimeout
 from etcslurm.runtime import checkpointing, generation
@@ -101,15 +102,15 @@ def _publish_first(ctx: Context, base: int, live: dict[str, Any], w: Waiting) ->
     workers = list(live)[: ctx.settings.initial_workers if w.standby is None else None]
     nodes = {k: str(i.get("node") or "?") for k, i in live.items()}
     try:
-        record = replace(first_generation(layout_settings(ctx), workers, nodes),
-                         generation=base + 1)
+        record = replace_record(first_generation(layout_settings(ctx), workers, nodes),
+                                generation=base + 1)
     except NoLayoutFits as exc:
         coord.emit("run.standby", devices=len(workers), reason=str(exc))
         log.warning("standby: %s", exc)
         return replace(w, standby=(len(workers), str(exc)))
     resume = checkpointing.pointer(ctx.options)
     if resume:
-        record = replace(record, resume=resume["path"], step=int(resume.get("step", 0)),
+        record = replace_record(record, resume=resume["path"], step=int(resume.get("step", 0)),
                          reason=f"resume from {resume['path']}; {record.reason}")
     coord.publish_generation(record)
     return w
@@ -377,7 +378,7 @@ def publish_next(ctx: Context, reason: str, extra_dead: tuple[str, ...] = ()) ->
     latest = coord.current_generation()
     if latest is not None and record.generation <= latest.generation:
         # after a failed migration the failed record is the latest
-        record = replace(record, generation=latest.generation + 1)
+        record = replace_record(record, generation=latest.generation + 1)
     if pending:
         coord.take_changes(len(pending))
     if coord.publish_generation(record):

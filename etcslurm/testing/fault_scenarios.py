@@ -27,7 +27,6 @@ from typing import Any
 
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
-from etcslurm.coord.server import BundledRedis
 from etcslurm.errors import EtcslurmError
 from etcslurm.local.launcher import (
     LOSS_TOLERANCE,
@@ -37,6 +36,7 @@ from etcslurm.local.launcher import (
     WorkerFailed,
     run_demo,
 )
+from etcslurm.redis_host.server import BundledRedis
 
 #: fault detection knobs used by the scenarios: the runtime's defaults (10 s each).  Lower
 #: values detect sooner but, on an overloaded host, a starved heartbeat thread makes a live
@@ -617,9 +617,9 @@ def kill_coordinator_primary(redis_url: str | None, pw: str | None, run_dir: Pat
     step 6).  ``recover_s``: the kill to the first step event after it."""
     import threading
 
-    from etcslurm.coord import failover
     from etcslurm.coord.client import sentinel_url
-    from etcslurm.coord.sentinel import Site
+    from etcslurm.redis_host import failover
+    from etcslurm.redis_host.sentinel import Site
 
     started: list[Site] = []
     try:

@@ -24,7 +24,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from etcslurm.coord.server import (
+from etcslurm.errors import CoordinatorError, UsageError
+from etcslurm.redis_host.server import (
     STATE_FILE,
     BundledRedis,
     _alive,
@@ -35,7 +36,6 @@ from etcslurm.coord.server import (
     stop_process,
     write_private,
 )
-from etcslurm.errors import CoordinatorError, UsageError
 
 SENTINEL_CONFIG = "sentinel.conf"
 SENTINEL_LOG = "sentinel.log"
