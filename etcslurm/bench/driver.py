@@ -66,6 +66,9 @@ class MigrateRequest:
     #: plan from live descriptions exchanged between the participants, as the runtime
     #: does for a model etcslurm did not build (else the analytic plan of its own GPT)
     live_plan: bool = False
+    #: move the model's weights alone (no optimizer state), as megatron-core's refit does:
+    #: timed against refit on the same transition and bytes (one world only)
+    weights_only: bool = False
 
     def spec(self) -> GPTSpec:
         spec = GPTSpec.parse(self.model)
@@ -102,6 +105,10 @@ class MigrateRequest:
                 f"{new} needs {new.world_size} devices; {old} has {old.world_size}, "
                 f"{len(set(self.leave))} leave and {self.join} join: {available} remain"
             )
+        if self.weights_only and (self.leave or self.join or old.world_size != new.world_size):
+            raise UsageError("--weights-only is timed against megatron-core's refit, which "
+                             "reshards within one world: the same world size, nobody "
+                             "leaving or joining")
         if self.repeat < 1 or self.steps_before < 0 or self.steps_after < 0:
             raise UsageError("--repeat must be at least 1 and step counts not negative")
         if self.staging_mb < 1:
@@ -139,6 +146,7 @@ class MigrateRequest:
             "checkpoint": self.checkpoint,
             "refit": self.refit,
             "live_plan": self.live_plan,
+            "weights_only": self.weights_only,
             "timeout": self.timeout,
             "work_dir": str(work_dir),
             "ckpt_dir": str(ckpt_dir),
@@ -199,6 +207,8 @@ def summarise(request: MigrateRequest, spec: GPTSpec,
     """The report of one request: timings as medians over its repetitions, checks over
     all of them (``repeats``: per repetition, every process's result)."""
     runs = [[r for r in results if r.get("role") != "unused"] for results in repeats]
+    if request.weights_only:
+        return _summarise_weights(request, spec, runs)
     results = runs[-1]
     first = results[0]
     new = [r for r in results if r.get("role") == "new"]
@@ -337,6 +347,41 @@ def summarise(request: MigrateRequest, spec: GPTSpec,
     ]
     if problems:
         out["mismatches"] = problems
+    return out
+
+
+def _summarise_weights(request: MigrateRequest, spec: GPTSpec,
+                       runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """The report of a weights-only request: P2P (plan + exchange + commit) against
+    megatron-core's refit (plan + copy, its first call) on the same weights."""
+    every_new = [r for rs in runs for r in rs if r.get("role") == "new"]
+    p2p_all = [rs[0]["plan_seconds"] + rs[0]["exchange_seconds"]
+               + max(r["restore_seconds"] for r in rs if r.get("role") == "new")
+               for rs in runs]
+    refit_all = [next(r for r in rs if r.get("role") == "new").get("refit_seconds")
+                 for rs in runs]
+    first = runs[-1][0]
+    p2p = _med(p2p_all)
+    refit = _med([x for x in refit_all if x is not None]) if None not in refit_all else None
+    out = {
+        "model": request.model, "dtype": spec.dtype, "from": request.source,
+        "to": request.target, "weights_only": True, "repeat": len(runs),
+        "plan_path": first["plan_path"], "on_world": bool(first.get("on_world")),
+        "p2p_seconds": p2p, "p2p_all": p2p_all,
+        "p2p_plan_seconds": _med([rs[0]["plan_seconds"] for rs in runs]),
+        "p2p_exchange_seconds": _med([rs[0]["exchange_seconds"] for rs in runs]),
+        "refit_seconds": refit, "refit_all": refit_all,
+        "refit_warm_seconds": every_new[-1].get("refit_warm_seconds"),
+        "p2p_vs_refit": p2p / refit if refit else None,
+        "moved_bytes": sum(r.get("moved_here", 0) for r in runs[-1]),
+        "weight_bytes": sum(r.get("held_bytes", 0) for r in runs[-1]),
+        "bit_exact": all(r.get("p2p_equals_pre_migration", True) for r in every_new),
+        "refit_equals_p2p": (all(r.get("refit_equals_p2p") for r in every_new)
+                             if refit is not None else None),
+    }
+    skipped = sorted({r["refit_skipped"] for r in every_new if r.get("refit_skipped")})
+    if skipped:
+        out["refit_skipped"] = "; ".join(skipped)
     return out
 
 

@@ -122,7 +122,7 @@ def _settings(c: dict[str, Any]) -> Any:
 
 def _case(ctx: WorkerContext, number: int, c: dict[str, Any], baseline: Any,
           warm: dict[str, bool]) -> dict[str, Any]:
-    from etcslurm.megatron.sharded_meta import local_state
+    from etcslurm.megatron.sharded_meta import is_weight, local_state
     from etcslurm.megatron.train import train_step
     from etcslurm.runtime.config import WorkerOptions
     from etcslurm.runtime.generation import layout_settings, next_generation, start_generation
@@ -150,7 +150,8 @@ def _case(ctx: WorkerContext, number: int, c: dict[str, Any], baseline: Any,
     world = World(ctx.store, settings, options,
                   direct_min=int(c.get("direct_min_bytes") or DIRECT_MIN_BYTES))
     world.analytic = world.analytic and not c.get("live_plan", False)
-    use_ckpt = bool(c.get("checkpoint", True))
+    weights_only = bool(c.get("weights_only"))
+    use_ckpt = bool(c.get("checkpoint", True)) and not weights_only
 
     def progress(phase: str, **info: Any) -> None:
         ctx.publish(device, {"phase": phase, "device": device, "case": number, **info})
@@ -166,6 +167,8 @@ def _case(ctx: WorkerContext, number: int, c: dict[str, Any], baseline: Any,
             progress("train-old", step=step)
             out["losses_before"].append(train_step(trainee))
         held, scalars = world.read_state(trainee)
+        if weights_only:
+            held = [(p, v) for p, v in held if is_weight(p)]
         out["held_bytes"] = sum(v.numel() * v.element_size() for _, v in held)
         if c.get("verify_global", True):
             dump(work / "global", f"dev{index}", held)
@@ -202,7 +205,8 @@ def _case(ctx: WorkerContext, number: int, c: dict[str, Any], baseline: Any,
         raise UsageError(f"the decider would not migrate {old} → {new}: {record.reason}")
     # ---------------------------------------------------- 2. the runtime's migration
     job = migration_job(world, layouts, record, workers[index], held=held,
-                        old=(old, index) if index < n_old else None, trainee=trainee)
+                        old=(old, index) if index < n_old else None, trainee=trainee,
+                        select=is_weight if weights_only else None)
     observer = SlowestObserver(timeout, measure_bandwidth=bool(c.get("measure_bandwidth")),
                                bandwidth_mbytes=int(c.get("bandwidth_mbytes", 128)))
     progress("migrate")
@@ -223,11 +227,13 @@ def _case(ctx: WorkerContext, number: int, c: dict[str, Any], baseline: Any,
         return out
     out["role"] = "new"
     # ---------------------------------------------------------------- 3. the checks
-    p2p_state = local_state(p2p)
-    p2p_prints = {p: _fingerprint(v) for p, v in p2p_state.items()}
+    p2p_state = local_state(p2p).items()
+    if weights_only:  # the optimizer state did not move: only the weights are checked
+        p2p_state = [(p, v) for p, v in p2p_state if is_weight(p)]
+    p2p_prints = {p: _fingerprint(v) for p, v in p2p_state}
     if c.get("verify_global", True):
         reference = GlobalState(work / "global")
-        bad = [p for p, v in p2p_state.items() if not _bits_equal(v, reference.expected(p))]
+        bad = [p for p, v in p2p_state if not _bits_equal(v, reference.expected(p))]
         out["p2p_equals_pre_migration"] = not bad
         out["mismatch_p2p_vs_pre_migration"] = [p.to_json() for p in bad[:5]]
     del p2p_state
@@ -238,6 +244,9 @@ def _case(ctx: WorkerContext, number: int, c: dict[str, Any], baseline: Any,
         out.update(refit.oracle(settings.model, old, new, list(c.get("leave", [])), n_join,
                                 work / "global" if c.get("verify_global", True) else None,
                                 p2p.dtype, 1, p2p_prints, fp=_fingerprint))
+    if weights_only:
+        progress("done")
+        return out
     progress("build-checkpoint")
     other = world.build_model(new)
     progress("checkpoint-load")

@@ -50,6 +50,10 @@ def register(subparsers: Any) -> None:
                    help="plan from live descriptions of the state, as the runtime does for "
                         "a model etcslurm did not build (default: etcslurm's own GPT is "
                         "planned from its analytic state, as the runtime does)")
+    p.add_argument("--weights-only", action="store_true",
+                   help="move the model's weights alone (no optimizer state) and time it "
+                        "against megatron-core's refit on the same transition and bytes "
+                        "(one world: same world size, nobody leaving or joining)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per bounded wait")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_migrate)
@@ -68,7 +72,7 @@ def _request(args: argparse.Namespace) -> Any:
         global_batch=args.global_batch, staging_mb=args.staging_mb,
         reference=args.reference, verify_global=not args.no_verify_global,
         timeout=args.timeout, dtype=args.dtype, refit=not args.no_refit,
-        live_plan=args.live_plan,
+        live_plan=args.live_plan, weights_only=args.weights_only,
     )
     req.validate()
     return req
@@ -88,8 +92,9 @@ def _migrate(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         report = _run_with_progress(req, run)
-        _print_table(report)
-    ok = report["bit_exact"] and report["loss_match"]
+        (_print_weights if req.weights_only else _print_table)(report)
+    ok = (report["bit_exact"] and report.get("loss_match", True)
+          and report.get("refit_equals_p2p") is not False)
     return 0 if ok else 1
 
 
@@ -129,6 +134,27 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return str(n)
+
+
+def _print_weights(r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{r['model']}: {r['from']} → {r['to']}, weights only "
+                    f"(median of {r['repeat']})")
+    t.add_column("path")
+    t.add_column("seconds", justify="right")
+    t.add_column("details")
+    t.add_row("P2P", f"{r['p2p_seconds']:.3f}",
+              f"plan {r['p2p_plan_seconds']:.3f} + exchange {r['p2p_exchange_seconds']:.3f}; "
+              f"{_fmt_bytes(r['moved_bytes'])} moved of {_fmt_bytes(r['weight_bytes'])}")
+    if r.get("refit_seconds") is not None:
+        t.add_row("refit", f"{r['refit_seconds']:.3f}",
+                  f"megatron-core swap_model_weights; P2P ÷ refit {r['p2p_vs_refit']:.2f}; "
+                  f"weights equal P2P's: {'yes' if r['refit_equals_p2p'] else '[red]NO[/]'}")
+    else:
+        t.add_row("refit", "-", f"not run: {r.get('refit_skipped')}")
+    Console().print(t)
 
 
 def _print_table(r: dict[str, Any]) -> None:

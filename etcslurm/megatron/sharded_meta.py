@@ -41,6 +41,15 @@ from etcslurm.megatron.model import Trainee
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 
+#: the prefix of every optimizer-state key (``optimizer.state.exp_avg.<param key>``)
+OPTIMIZER_PREFIX = "optimizer."
+
+
+def is_weight(piece: Piece) -> bool:
+    """Whether ``piece`` is part of a model parameter (not optimizer state)."""
+    return not piece.key.startswith(OPTIMIZER_PREFIX)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

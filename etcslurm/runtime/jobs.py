@@ -16,7 +16,7 @@ takes):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from etcslurm.coord.records import GenerationRecord
@@ -33,13 +33,15 @@ PLAN_PATHS = ("nothing_moves", "analytic", "live")
 
 def migration_job(world: Any, settings: LayoutSettings, record: GenerationRecord,
                   worker_id: str, *, held: Sequence[tuple[Piece, Any]],
-                  old: tuple[ParallelConfig, int] | None, trainee: Any) -> MigrationJob:
+                  old: tuple[ParallelConfig, int] | None, trainee: Any,
+                  select: Callable[[Piece], bool] | None = None) -> MigrationJob:
     """This worker's part in the change ``record``.
 
     ``world``: a :class:`~etcslurm.runtime.world.World` (its ``analytic`` flag, whether a
     model can be kept, the pieces a layout's rank holds); ``held``: the old state this
     worker read; ``old``: its old layout and rank (None for a joiner); ``trainee``: its
-    old model (kept when a DP-only change moves none of its parameters).
+    old model (kept when a DP-only change moves none of its parameters); ``select``: the
+    pieces to move (None: every one).
     """
     ids = record.planner_ids
     new_rank = record.rank_of(worker_id)
@@ -50,20 +52,27 @@ def migration_job(world: Any, settings: LayoutSettings, record: GenerationRecord
         keep = trainee
     by_rank = record.workers_by_rank()
     on_world = set(by_rank) == set(record.union)
-    nothing = nothing_moves(world.analytic, settings.optimizer, record)
-    path = "nothing_moves" if nothing else ("analytic" if world.analytic else "live")
+    analytic = world.analytic
+    nothing = select is None and nothing_moves(analytic, settings.optimizer, record)
+    path = "nothing_moves" if nothing else ("analytic" if analytic else "live")
+    if select is not None:
+        held, keep = [(p, v) for p, v in held if select(p)], None
 
     def plan(migration: Any) -> MigrationPlan:
-        if world.analytic:
-            return plan_analytically(settings, record, migration)
+        if analytic:
+            return plan_analytically(settings, record, migration, select)
         return plan_live(settings, record, migration)
+
+    def expected(layout: ParallelConfig, rank: int) -> list[Piece]:
+        pieces = world.expected_pieces(layout, rank)
+        return [p for p in pieces if select is None or select(p)]
 
     return MigrationJob(
         generation=record.generation, me=ids[worker_id], new_rank=new_rank, layout=layout,
         held=list(held), members=[ids[w] for w in (by_rank if on_world else record.union)],
         on_world=on_world, scalars=dict(record.scalars) if new_rank is not None else None,
-        plan=plan, old=old, expected=world.expected_pieces if world.analytic else None,
-        keep=keep, nothing_moves=nothing, path=path,
+        plan=plan, old=old, expected=expected if analytic else None,
+        keep=keep, nothing_moves=nothing, path=path, select=select,
     )
 
 

@@ -107,6 +107,9 @@ class MigrationJob:
     on_world: bool = False
     #: which of the runtime's paths this job takes (``runtime.jobs.PLAN_PATHS``), reported
     path: str = "analytic"
+    #: the pieces this migration moves (None: every one); e.g. the weights alone, to
+    #: reshard a model for inference as megatron-core's refit does
+    select: Callable[[Piece], bool] | None = None
 
 
 @dataclass
@@ -222,6 +225,8 @@ class Migration:
             return self._commit_kept()
         with observer.phase("describe", self):
             self.needed = _local_state(self.trainee)
+            if job.select is not None:
+                self.needed = [(p, v) for p, v in self.needed if job.select(p)]
         exchanged = False
         try:
             with observer.phase("group", self), _peer_phase("group"):

@@ -8,7 +8,8 @@ whole move's bytes) comes from the decider's record or is summed over the group.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from etcslurm.coord.records import GenerationRecord
@@ -119,18 +120,24 @@ def _split_fill(migration: Migration, result: MigrationPlan, old_pieces: list[Pi
     result.missing = lost
 
 
-def plan_analytically(settings: LayoutSettings, record: GenerationRecord,
-                      migration: Any) -> MigrationPlan:
+def plan_analytically(settings: LayoutSettings, record: GenerationRecord, migration: Any,
+                      select: Callable[[Piece], bool] | None = None) -> MigrationPlan:
     """The plan of ``record`` for etcslurm's own model: from the analytic inputs the
     decider planned from, with its assignment (no descriptions exchanged; the holdings
-    check compares the live state with the same model)."""
+    check compares the live state with the same model); ``select``: only these pieces
+    (the decider's totals are then not this move's)."""
     from etcslurm.megatron_state import padded_vocab
 
     old_tp = ParallelConfig.parse(record.from_layout or record.to_layout).tp
+    inputs = plan_inputs(settings, record)
+    if select is not None:
+        inputs = dataclasses.replace(
+            inputs, old_blocks=[[p for p in b if select(p)] for b in inputs.old_blocks or []],
+            new_blocks=[[p for p in b if select(p)] for b in inputs.new_blocks or []])
     return analytic_plan(
-        migration, plan_inputs(settings, record),
-        assignment=[record.planner_ids[w] for w in record.workers_by_rank()],
-        old_vocab_rows=padded_vocab(settings.spec, old_tp), totals=record.plan_stats)
+        migration, inputs, assignment=[record.planner_ids[w] for w in record.workers_by_rank()],
+        old_vocab_rows=padded_vocab(settings.spec, old_tp),
+        totals=record.plan_stats if select is None else None)
 
 
 def plan_live(settings: LayoutSettings, record: GenerationRecord,
