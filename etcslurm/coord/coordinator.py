@@ -159,6 +159,10 @@ class Coordinator:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: called as ``observer(type, payload, ts)`` after each event this handle wrote
+        #: (e.g. a TensorBoard writer); one that fails is logged, never raised; one with a
+        #: ``close()`` is closed by :meth:`close`
+        self.observers: list[Any] = []
         r = client.redis
         self._get = r.register_script(scripts.GET_BOUNDED)
         self._hgetall = r.register_script(scripts.HGETALL_BOUNDED)
@@ -402,7 +406,7 @@ class Coordinator:
         """Announce that this worker leaves within ``within`` seconds; asks for a resize
         (a change request draining this worker)."""
         wid = self._require_worker()
-        self.set_state(LEAVING, leave_within=within)
+        self.set_state(LEAVING, leave_within=within, leave_reason=reason)
         self.request_change(ChangeRequest(to=None, drain=(wid,), by=wid, ts=time.time(),
                                           reason=f"{wid} leaving ({reason})"))
 
@@ -703,6 +707,11 @@ class Coordinator:
         if eid is None:  # the run has ended: events are no longer recorded
             self.ended = True
             return ""
+        for observer in self.observers:
+            try:
+                observer(type, payload, float(fields["ts"]))
+            except Exception as exc:  # an observer must never break the run
+                log.warning("event observer %r failed on %s: %s", observer, type, exc)
         return schema.text(eid)
 
     def read_events(
@@ -799,6 +808,9 @@ class Coordinator:
         if self.worker_id is not None and state and self.info.get("state") != state:
             with contextlib.suppress(CoordinatorError, UsageError):
                 self.set_state(state)
+        for observer in self.observers:
+            with contextlib.suppress(Exception):
+                getattr(observer, "close", lambda: None)()
 
     def __enter__(self) -> Coordinator:
         return self

@@ -561,6 +561,48 @@ class WorkerSignal(EventData):
 
 
 @dataclass(frozen=True)
+class NodeReleased(EventData):
+    """A worker leaves because Slurm wants its node back soon without a signal: the node
+    is draining, or a reservation that is not the job's starts on it (``reason`` says
+    which); it hands its state over at the next step boundary like a signalled one."""
+
+    TYPE: ClassVar[str] = "node.released"
+    WHAT: ClassVar[str] = "node.released event"
+
+    worker: str
+    reason: str
+    node: str | None = None
+    budget_s: float | None = None
+
+
+#: what an autogrow decision did (``etcslurm autogrow``)
+AUTOGROW_ACTIONS = ("start", "submit", "cancel", "backoff", "stop")
+
+
+@dataclass(frozen=True)
+class Autogrow(EventData):
+    """A decision of ``etcslurm autogrow``: it submitted a one-node grow job, cancelled
+    pending ones, backed off, started or stopped (``reason`` says why); ``nodes``: the
+    run's nodes (in use + starting) it counted, ``idle``: idle nodes it saw."""
+
+    TYPE: ClassVar[str] = "autogrow"
+    WHAT: ClassVar[str] = "autogrow event"
+
+    action: str
+    reason: str
+    jobs: tuple[str, ...] = ()
+    nodes: int | None = None
+    max_nodes: int | None = None
+    idle: int | None = None
+    pending: int | None = None
+
+    def _check(self) -> None:
+        if self.action not in AUTOGROW_ACTIONS:
+            raise RecordError(f"{self.WHAT}: field 'action' must be one of "
+                              f"{', '.join(AUTOGROW_ACTIONS)}, got {self.action!r}")
+
+
+@dataclass(frozen=True)
 class GenerationStart(EventData):
     """A generation was published (``Coordinator.publish_generation``): its shown fields."""
 
@@ -730,12 +772,48 @@ class ChangeRequested(EventData):
         return cls(req.to, req.drain, req.by, req.ts, req.reason)
 
 
+#: Why a world changed, as the metrics count resizes: a worker got a preemption signal, its
+#: node was released (drain, reservation), a worker died, an operator asked (``etcslurm
+#: resize``), new workers joined.
+RESIZE_CAUSES = ("preemption", "release", "failure", "operator", "grow")
+#: the leave reason (``Coordinator.leave``) of a worker whose node is released
+RELEASED = "released"
+
+
+def leave_cause(reason: str | None) -> str:
+    """The cause of one worker leaving, from its leave reason (``SIGUSR2`` → preemption,
+    ``released: ...`` → release, anything else → operator)."""
+    text = (reason or "").strip()
+    if text.startswith("SIG"):
+        return "preemption"
+    if text.startswith(RELEASED):
+        return "release"
+    return "operator"
+
+
+def resize_cause(kind: str, reason: str, leaving: Any, dead: Any, joining: Any) -> str | None:
+    """The one cause a generation change is counted under (``None``: not a resize).
+
+    ``leaving``: the causes of its leaving workers (:func:`leave_cause`); a death counts
+    first, then a release, a preemption, an operator's drain, then growth."""
+    if kind != "resize":
+        return None
+    causes = set(leaving)
+    if dead or reason.startswith("recover"):
+        return "failure"
+    for cause in ("release", "preemption", "operator"):
+        if cause in causes:
+            return cause
+    return "grow" if joining else "operator"
+
+
 #: Every event type the runtime, coordinator and CLI write, and its payload class.
 EVENT_TYPES: dict[str, type[EventData]] = {
     c.TYPE: c
-    for c in (WorkerRegistered, WorkerState, WorkerGone, WorkerSignal, ChangeRequested,
-              GenerationStart, MigrationRebuild, MigrationProgress, MigrationDone, Step,
-              RunEnd, RunRollback, RunStandby, Error, JobRequeued)
+    for c in (WorkerRegistered, WorkerState, WorkerGone, WorkerSignal, NodeReleased,
+              ChangeRequested, GenerationStart, MigrationRebuild, MigrationProgress,
+              MigrationDone, Step, RunEnd, RunRollback, RunStandby, Error, JobRequeued,
+              Autogrow)
 }
 
 
@@ -816,11 +894,14 @@ def _doc_type(tp: Any) -> str:
 
 
 __all__ = [
+    "AUTOGROW_ACTIONS",
     "EVENT_TYPES",
     "KINDS",
     "READ_VERSIONS",
+    "RESIZE_CAUSES",
     "VERSION",
     "Assignment",
+    "Autogrow",
     "ChangeRequest",
     "ChangeRequested",
     "Error",
@@ -832,6 +913,7 @@ __all__ = [
     "MigrationDone",
     "MigrationProgress",
     "MigrationRebuild",
+    "NodeReleased",
     "RunEnd",
     "Step",
     "WorkerGone",
@@ -840,7 +922,9 @@ __all__ = [
     "WorkerState",
     "event_data",
     "field_summary",
+    "leave_cause",
     "pack_ids",
     "parse_event",
+    "resize_cause",
     "unpack_ids",
 ]
