@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "monitor",
     "submit",
     "grow",
+    "autogrow",
     "resize",
     "coordinator",
 )
