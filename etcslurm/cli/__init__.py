@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "layouts",
     "bench",
     "monitor",
+    "metrics",
     "submit",
     "grow",
     "autogrow",

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         kwargs = rf.grow_args(load_template("grow"), 1)
         kwargs.pop("redis_url", None)
         kwargs["split"] = False
-        worker, folder = rf.worker_cmd, rf.run_dir
+        worker = rf.worker_cmd
     else:
         if not args.run:
             raise UsageError("give the run file (etcslurm autogrow RUN.toml) or --run RUN")
@@ -104,9 +104,9 @@ def run(args: argparse.Namespace) -> int:
                              "ETCSLURM_REDIS_URL)")
         limits = {**_DEFAULTS, **flags}
         run_id = args.run
-        kwargs = {"tasks_per_node": args.tasks_per_node or 1,
+        kwargs = {"tasks_per_node": args.tasks_per_node or 1, "folder": args.workdir,
                   "time_limit": args.time or "01:00:00", "fields": parse_sets(args.sets)}
-        worker, folder = args.worker_cmd or DEFAULT_WORKER_CMD, args.workdir
+        worker = args.worker_cmd or DEFAULT_WORKER_CMD
     if "max_nodes" not in limits:
         raise UsageError("--max-nodes is required (or max_nodes in the run file's [autogrow])")
     if not limits.get("partition"):
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     kwargs["fields"] = {**(kwargs.get("fields") or {}), "job_name": name}
 
     def submit_one() -> str:
-        return grow(run_id, 1, worker, redis_url=url, folder=folder, **kwargs).job_id
+        return grow(run_id, worker=worker, redis_url=url, **{"nodes": 1, **kwargs}).job_id
 
     client = open_client(url)
     try:

@@ -807,6 +807,16 @@ def resize_cause(kind: str, reason: str, leaving: Any, dead: Any, joining: Any) 
     return "grow" if joining else "operator"
 
 
+def moved_over_lower_bound(moved: int | None, bound: int | None) -> float | None:
+    """Bytes a migration moved ÷ the planner's lower bound (1.0: nothing more than
+    needed; also when both are 0); ``None`` when unknown."""
+    if moved is None or bound is None:
+        return None
+    if bound <= 0:
+        return 1.0 if moved <= 0 else None
+    return moved / bound
+
+
 #: Every event type the runtime, coordinator and CLI write, and its payload class.
 EVENT_TYPES: dict[str, type[EventData]] = {
     c.TYPE: c
@@ -923,6 +933,7 @@ __all__ = [
     "event_data",
     "field_summary",
     "leave_cause",
+    "moved_over_lower_bound",
     "pack_ids",
     "parse_event",
     "resize_cause",

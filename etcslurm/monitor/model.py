@@ -725,13 +725,8 @@ class RunModel:
         if not done:
             return None
         last = max(done, key=lambda m: m.gen)
-        bound = self.lower_bound.get(last.gen)
         moved = last.done.moved_bytes if last.done is not None else None
-        if bound is None or moved is None:
-            return None
-        if bound <= 0:
-            return 1.0 if moved <= 0 else None
-        return moved / bound
+        return rec.moved_over_lower_bound(moved, self.lower_bound.get(last.gen))
 
     def _migration_view(self, now: float) -> MigrationView | None:
         if self.current_migration is None:
