@@ -222,3 +222,34 @@ def test_loop_gives_up_after_a_coordinator_outage_and_cancels_its_jobs() -> None
     with pytest.raises(CoordinatorError, match="autogrow gave up after 60 s"):
         loop.run()
     assert slurm.cancelled == ["5"]
+
+
+# ---------------------------------------------------------------------------- the run file
+def test_run_file_autogrow_table_starts_it_from_the_first_job(tmp_path: Path) -> None:
+    from etcslurm.slurm import runfile
+    from etcslurm.slurm.submission import submit
+
+    path = tmp_path / "run.toml"
+    path.write_text('run_id = "r1"\n[run]\nmodel = "gpt-tiny"\n[slurm]\nnodes = 1\n'
+                    'partition = "spot"\nexclusive = true\n[autogrow]\nmax_nodes = 4\n'
+                    'interval = 5\n')
+    rf = runfile.load(path, {"steps": "10"})
+    assert rf.autogrow == {"max_nodes": 4, "interval": 5, "partition": "spot"}
+    script = submit(rf.worker_cmd, dry_run=True, **rf.submit_args()).script
+    line = next(x for x in script.splitlines() if x.startswith("autogrow=("))
+    assert line.endswith(f"-m etcslurm autogrow {path.resolve()} --set steps=10)")
+    assert "trap 'stop_autogrow;" in script
+    # without [autogrow] nothing runs
+    path.write_text('run_id = "r1"\n[run]\nmodel = "gpt-tiny"\n')
+    assert "autogrow=()" in submit(runfile.load(path).worker_cmd, dry_run=True,
+                                   **runfile.load(path).submit_args()).script
+    path.write_text('[run]\nmodel = "gpt-tiny"\n[autogrow]\nmax_node = 2\nmin_idle = 0\n')
+    with pytest.raises(runfile.RunFileError) as err:
+        runfile.load(path)
+    assert err.value.problems == [
+        "run.toml: [autogrow] max_node: unknown field; did you mean max_nodes?",
+        "run.toml: [autogrow] min_idle: must be >= 1, got 0",
+        "run.toml: [autogrow] max_nodes: missing (the most nodes the run may grow to)",
+        "run.toml: [autogrow] partition: missing (here or in [slurm]): the partition whose "
+        "idle nodes it grows into",
+    ]
