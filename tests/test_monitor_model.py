@@ -270,3 +270,37 @@ def test_coordinator_primary_moves_and_outages_are_logged_once() -> None:
     assert [e.type for e in view.events] == ["coordinator.primary", "coordinator.error"]
     assert "coordinator no primary" in render_run(view)
     assert view.to_json()["coordinator"] == view.coordinator
+
+
+def test_released_nodes_autogrow_and_resize_causes() -> None:
+    from etcslurm.coord.records import parse_event
+    from etcslurm.monitor.model import fold
+    from tests.helpers import generation_record
+
+    def ev(i: int, type_: str, emitter: str = "operator", **data: object):
+        return parse_event({"id": f"{i}-0", "type": type_, "ts": 100.0 + i, "worker": emitter,
+                            "data": data})
+
+    start = generation_record(0, "tp1pp1dp3", ["w1", "w2", "w3"])
+    shrink = generation_record(1, "tp1pp1dp2", ["w1", "w2"], from_layout="tp1pp1dp3",
+                               leaving=("w3",))
+    grow = generation_record(2, "tp1pp1dp3", ["w1", "w2", "w4"], from_layout="tp1pp1dp2",
+                             joining=("w4",))
+    from etcslurm.coord.records import GenerationStart
+
+    events = [
+        ev(1, "generation.start", **GenerationStart.of(start).to_json()),
+        ev(2, "node.released", "w3", worker="w3", node="n3", reason="draining (disk)",
+           budget_s=90.0),
+        ev(3, "generation.start", **GenerationStart.of(shrink).to_json()),
+        ev(4, "autogrow", action="submit", reason="1 idle node", jobs=["41"], nodes=2,
+           max_nodes=3, idle=1, pending=0),
+        ev(5, "generation.start", **GenerationStart.of(grow).to_json()),
+        ev(6, "step", "w1", gen=2, step=7, loss=1.0),
+    ]
+    view = fold("r", events, now=110.0)
+    texts = [e.text for e in view.events]
+    assert "n3 released: draining (disk), 90 s budget" in texts
+    assert "autogrow submitted job 41: 1 idle node (2/3 nodes, 1 idle)" in texts
+    assert view.resizes == {"release": 1, "grow": 1}
+    assert view.last_step_ts == 106.0

@@ -102,8 +102,8 @@ class Run:
     """The run as the coordinator's event stream shows it (read incrementally)."""
 
     def __init__(self, redis_url: str, run_id: str, initial_workers: int, run_dir: Path,
-                 store_spec: bool = True) -> None:
-        self.run_id, self.run_dir = run_id, run_dir
+                 store_spec: bool = True, steps: int = STEPS) -> None:
+        self.run_id, self.run_dir, self.steps = run_id, run_dir, steps
         self.coord = Coordinator(connect(redis_url), run_id)
         if store_spec:  # the run spec every worker reads (a run file's job stores its own)
             self.coord.ensure_spec(run_settings(initial_workers).to_json())
@@ -141,7 +141,7 @@ class Run:
     def finished(self) -> bool:
         """Rank 0 reported the last step and every worker has left (its data log is
         complete: the others log their last step after rank 0 reported it)."""
-        return self.step() >= STEPS and all(
+        return self.step() >= self.steps and all(
             i["state"] == "gone" for i in self.coord.members().values())
 
     def gone_at(self, worker: str) -> float | None:
@@ -156,7 +156,7 @@ class Run:
 
 def check_losses(run: Run, reference: dict[int, float]) -> float:
     """Every step once, in order, each loss within LOSS_TOLERANCE of the reference."""
-    assert sorted(run.losses) == list(range(1, STEPS + 1)), f"steps seen: {sorted(run.losses)}"
+    assert sorted(run.losses) == list(range(1, run.steps + 1)), f"steps seen: {sorted(run.losses)}"
     assert all(len(v) == 1 for v in run.losses.values()), "a step was emitted twice"
     diff = max(abs(run.losses[s][0] - reference[s]) for s in run.losses)
     table = [(s, round(run.losses[s][0], 7), round(reference[s], 7)) for s in sorted(run.losses)]
@@ -165,7 +165,7 @@ def check_losses(run: Run, reference: dict[int, float]) -> float:
     return diff
 
 
-def check_data_once(run_dir: Path) -> dict[int, int]:
+def check_data_once(run_dir: Path, steps: int = STEPS) -> dict[int, int]:
     """Sample ranges per step from all workers: each step covers [s·B, (s+1)·B) exactly
     once.  Returns the DP degree each step ran with."""
     per_step: dict[int, list[tuple[int, int]]] = {}
@@ -175,7 +175,7 @@ def check_data_once(run_dir: Path) -> dict[int, int]:
             rec = json.loads(line)
             per_step.setdefault(rec["step"], []).append((rec["start"], rec["stop"]))
             dp[rec["step"]] = rec["dp"]
-    assert sorted(per_step) == list(range(STEPS)), f"steps logged: {sorted(per_step)}"
+    assert sorted(per_step) == list(range(steps)), f"steps logged: {sorted(per_step)}"
     for step, ranges in per_step.items():
         covered = sorted(i for a, b in ranges for i in range(a, b))
         assert covered == list(range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)), (

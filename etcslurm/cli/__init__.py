@@ -23,8 +23,10 @@ COMMAND_MODULES = (
     "layouts",
     "bench",
     "monitor",
+    "metrics",
     "submit",
     "grow",
+    "autogrow",
     "resize",
     "coordinator",
 )

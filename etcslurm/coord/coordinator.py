@@ -162,6 +162,12 @@ class Coordinator:
     def run_spec(self) -> dict[str, Any] | None:
         return self.membership.run_spec()
 
+    @property
+    def observers(self) -> list[Any]:
+        """Called as ``observer(type, payload, ts)`` after each event this handle wrote
+        (:attr:`etcslurm.coord.events.EventLog.observers`)."""
+        return self.events.observers
+
     def record_shapes(self, shapes: dict[str, Any]) -> None:
         self.membership.record_shapes(shapes)
 
@@ -216,7 +222,7 @@ class Coordinator:
         """Announce that this worker leaves within ``within`` seconds; asks for a resize
         (a change request draining this worker)."""
         wid = self.run.require_worker()
-        self.membership.set_state(LEAVING, leave_within=within)
+        self.membership.set_state(LEAVING, leave_within=within, leave_reason=reason)
         self.changes.request(ChangeRequest(to=None, drain=(wid,), by=wid, ts=time.time(),
                                            reason=f"{wid} leaving ({reason})"))
 
@@ -321,6 +327,9 @@ class Coordinator:
         if self.worker_id is not None and state and self.info.get("state") != state:
             with contextlib.suppress(CoordinatorError, UsageError):
                 self.set_state(state)
+        for observer in self.events.observers:
+            with contextlib.suppress(Exception):
+                getattr(observer, "close", lambda: None)()
 
     def __enter__(self) -> Coordinator:
         return self

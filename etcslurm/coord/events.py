@@ -7,12 +7,15 @@ after ``end_run`` nothing is written (exiting workers must not re-create the run
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from etcslurm.coord import schema, scripts
 from etcslurm.coord.records import event_data
 from etcslurm.coord.run import RunHandle
+
+log = logging.getLogger("etcslurm.coord")
 
 
 class EventLog:
@@ -22,6 +25,10 @@ class EventLog:
         self.run = run
         self.max_events = max_events
         self._xadd_live = run.client.redis.register_script(scripts.XADD_UNLESS_ENDED)
+        #: called as ``observer(type, payload, ts)`` after each event this handle wrote
+        #: (e.g. a TensorBoard writer); one that fails is logged, never raised; one with a
+        #: ``close()`` is closed when the coordinator handle is
+        self.observers: list[Any] = []
 
     def emit(self, type: str, *, at_ts: float | None = None, retry_s: float | None = None,
              **data: Any) -> str:
@@ -54,6 +61,11 @@ class EventLog:
         if eid is None:  # the run has ended: events are no longer recorded
             run.ended = True
             return ""
+        for observer in self.observers:
+            try:
+                observer(type, payload, float(fields["ts"]))
+            except Exception as exc:  # an observer must never break the run
+                log.warning("event observer %r failed on %s: %s", observer, type, exc)
         return schema.text(eid)
 
     def read(self, last_id: str = "0", block_ms: int | None = None,

@@ -21,6 +21,9 @@ Why the design is what it is:
 * **Second line of defence**: previous handlers (e.g. Submitit's checkpoint-and-requeue)
   are kept; :meth:`SignalTrap.fallback` hands the signal to them when the elastic path
   cannot save the state (nothing survives).
+* **Notices without a signal** (:mod:`etcslurm.job.drain`: the node is drained, or a
+  reservation starts on it soon) enter through :meth:`SignalTrap.notify` and take the
+  same path: an event with a budget (and a ``reason``), the same callback.
 """
 
 from __future__ import annotations
@@ -65,10 +68,11 @@ def parse_signal(name: str | int | signal.Signals) -> signal.Signals:
 class SignalEvent:
     """One received signal: what, when, and how long this worker has left to leave."""
 
-    signal: str  # "USR2"
+    signal: str  # "USR2"; a notice's kind ("RELEASE") for a notice without a signal
     received_at: float  # time.time()
     budget: float | None  # seconds to finish leaving, None if nothing is known
     deadline: float | None  # received_at + budget
+    reason: str | None = None  # a notice's reason ("draining (maintenance)"); None: a signal
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict (for the coordinator's ``worker.signal`` event)."""
@@ -127,6 +131,9 @@ class SignalTrap:
         self.callback = callback
         self.events: list[SignalEvent] = []
         self.callback_errors: list[BaseException] = []
+        #: started by :meth:`install`, stopped by :meth:`uninstall` (``start()``/``stop()``),
+        #: e.g. the :class:`etcslurm.job.drain.NodeWatcher` that calls :meth:`notify`
+        self.watchers: list[Any] = []
         self._flag = False  # set by the Python-level handler (async-signal-safe: one store)
         self._previous: dict[signal.Signals, Any] = {}
         self._old_wakeup_fd = -1
@@ -183,6 +190,8 @@ class SignalTrap:
         self._old_wakeup_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         self._thread = threading.Thread(target=self._watch, name="etcslurm-signals", daemon=True)
         self._thread.start()
+        for watcher in self.watchers:
+            watcher.start()
         _active = self
         return self
 
@@ -190,6 +199,8 @@ class SignalTrap:
         global _active
         if self._pipe is None:
             return
+        for watcher in self.watchers:
+            watcher.stop()
         signal.set_wakeup_fd(self._old_wakeup_fd)
         for sig, prev in self._previous.items():
             signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
@@ -233,7 +244,21 @@ class SignalTrap:
         now = time.time()
         name = sig.name[3:]
         budget = compute_budget(name, now, self.lead_time, self.grace_time, self.end_time)
-        event = SignalEvent(name, now, budget, None if budget is None else now + budget)
+        self._deliver(SignalEvent(name, now, budget, None if budget is None else now + budget))
+
+    def notify(self, reason: str, budget: float | None, kind: str = "RELEASE") -> None:
+        """A reason to leave that came without a signal (from a watcher's thread): recorded
+        and handed to the callback like a signal, with ``budget`` capped by the job's end
+        time."""
+        now = time.time()
+        if self.end_time is not None:
+            left = max(0.0, float(self.end_time) - now)
+            budget = left if budget is None else min(budget, left)
+        self._flag = True
+        self._deliver(SignalEvent(kind, now, budget, None if budget is None else now + budget,
+                                  reason=reason))
+
+    def _deliver(self, event: SignalEvent) -> None:
         with self._lock:
             self.events.append(event)
         if self.callback is not None:
@@ -252,9 +277,10 @@ class SignalTrap:
         callable previous handler.
         """
         if sig is None:
-            if not self.events:
+            signals = [e for e in self.events if e.reason is None]  # not a notice
+            if not signals:
                 return False
-            target = parse_signal(self.events[0].signal)
+            target = parse_signal(signals[0].signal)
         else:
             target = parse_signal(sig)
         prev = self._previous.get(target)
@@ -271,12 +297,18 @@ def trap_for_job(signals: Iterable[str], leave_budget: float,
     Under Slurm (or with ``ETCSLURM_SIGNALS`` exported by a template / Submitit task) the
     signals and the time budget come from the job: min(signal lead, partition GraceTime,
     ``SLURM_JOB_END_TIME`` − now), so a preempted worker announces the budget it really
-    has.  Elsewhere (``etcslurm demo``) ``signals`` with ``leave_budget`` as the assumed
-    lead.
+    has; in a Slurm job the trap also watches the node (:mod:`etcslurm.job.drain`): a
+    drain or a reservation about to start on it is a notice on the same path.
+    Elsewhere (``etcslurm demo``) ``signals`` with ``leave_budget`` as the assumed lead.
     """
+    from etcslurm.job.drain import NodeWatcher
     from etcslurm.job.environment import SlurmEnvironment
 
     env = SlurmEnvironment.from_env()
     if env.is_slurm or env.signals:
-        return SignalTrap.from_env(env, callback=callback)
+        trap = SignalTrap.from_env(env, callback=callback)
+        watcher = NodeWatcher.for_job(env, trap.notify)
+        if watcher is not None:
+            trap.watchers.append(watcher)
+        return trap
     return SignalTrap(tuple(signals), lead_time=leave_budget, callback=callback)

@@ -62,6 +62,7 @@ class DemoOptions:
     staging_mb: float | None = None  # the run's staging cap (default: 512 MiB)
     min_step_seconds: float = 0.0  # pace the steps so joiners arrive in time
     checkpoint_every: int = 0  # periodic checkpoints (a lost piece rolls back to the last)
+    tensorboard_dir: str | None = None  # the run's TensorBoard scalars (rank 0 writes)
     #: the worker program: fault tests use ``etcslurm.testing.worker`` with its arguments
     worker_module: str = "etcslurm.runtime.worker"
     worker_args: tuple[str, ...] = ()
@@ -144,7 +145,8 @@ class LocalRun:
             model=spec, optimizer=opts.optimizer, global_batch=opts.global_batch,
             micro_batch=opts.micro_batch, seed=opts.seed, steps=opts.steps,
             initial_workers=initial, gpus_per_node=opts.gpus_per_node,
-            checkpoint_every=opts.checkpoint_every, **staging,
+            checkpoint_every=opts.checkpoint_every, tensorboard_dir=opts.tensorboard_dir,
+            **staging,
         )
         self.coord = Coordinator(connect(url, password_file), run_id)
         self.coord.ensure_spec(self.settings.to_json())

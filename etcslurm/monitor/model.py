@@ -119,6 +119,12 @@ class RunView:
     #: a replicated coordinator's primary, ``"ip:port (node n3), 2 replicas"``; ``None``
     #: for a single Redis server
     coordinator: str | None = None
+    #: resizes so far by cause (``records.RESIZE_CAUSES``)
+    resizes: dict[str, int] = field(default_factory=dict)
+    last_step_ts: float | None = None  # when rank 0 reported the last step
+    #: the last migration's bytes moved ÷ the planner's lower bound (1.0: optimal)
+    moved_vs_lower_bound: float | None = None
+    failovers: int = 0  # changes of the coordinator's primary this model saw
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -217,6 +223,7 @@ class _Worker:
     state: str = "active"
     leave_by: float | None = None
     signalled: bool = False  # a worker.signal already told the log it is leaving
+    cause: str | None = None  # why it leaves (records.leave_cause), once it does
 
 
 @dataclass
@@ -274,6 +281,11 @@ class RunModel:
         self.primary: str | None = None  # replicated coordinator: "ip:port" of the primary
         self.coordinator: str | None = None  # what the header shows of it
         self.addresses: dict[str, set[str]] = {}  # worker IP -> its nodes (names a site)
+        self.resizes: dict[str, int] = {}  # cause -> resizes
+        self.counted: set[int] = set()  # generations already counted in ``resizes``
+        self.last_step_ts: float | None = None
+        self.lower_bound: dict[int, int] = {}  # generation -> planner's lower bound (bytes)
+        self.failovers = 0
 
     # ---------------------------------------------------------------- events
 
@@ -345,11 +357,37 @@ class RunModel:
         if w is not None:
             w.state = "leaving"
             w.signalled = True
+            w.cause = "preemption"
             w.leave_by = ev.ts + budget if budget is not None else None
         who = (w.node if w and w.node != "?" else None) or d.node or d.worker or "?"
         sig = signal_name(d.signal)
         tail = f", {budget:.0f} s budget" if budget is not None else ""
         return f"{who} preempted: {sig}{tail}"
+
+    def _on_node_released(self, ev: Event) -> Any:
+        d: rec.NodeReleased = ev.data  # type: ignore[assignment]
+        w = self._worker(d.worker, d.node)
+        budget = d.budget_s
+        if w is not None:
+            w.state = "leaving"
+            w.signalled = True
+            w.cause = "release"
+            w.leave_by = ev.ts + budget if budget is not None else None
+        who = (w.node if w and w.node != "?" else None) or d.node or d.worker or "?"
+        tail = f", {budget:.0f} s budget" if budget is not None else ""
+        return f"{who} released: {d.reason}{tail}"
+
+    def _on_autogrow(self, ev: Event) -> Any:
+        d: rec.Autogrow = ev.data  # type: ignore[assignment]
+        what = {"submit": "submitted", "cancel": "cancelled"}.get(d.action, d.action)
+        jobs = f" job{'s' if len(d.jobs) > 1 else ''} {', '.join(d.jobs)}" if d.jobs else ""
+        counts = []
+        if d.nodes is not None:
+            counts.append(f"{d.nodes}/{d.max_nodes} nodes" if d.max_nodes else f"{d.nodes} nodes")
+        if d.idle is not None:
+            counts.append(f"{d.idle} idle")
+        tail = f" ({', '.join(counts)})" if counts else ""
+        return f"autogrow {what}{jobs}: {d.reason}{tail}"
 
     def _on_worker_state(self, ev: Event) -> Any:
         d: rec.WorkerState = ev.data  # type: ignore[assignment]
@@ -391,6 +429,7 @@ class RunModel:
         prev = d.from_layout or self.layout_by_gen.get(gen - 1)
         new = d.to_layout
         self._set_generation(gen, new, d.world, d.assignment)
+        self._count_resize(gen, d.kind, d.reason, d.leaving, (), d.joining)
         for wid in d.joining:
             w = self._worker(wid)
             if w and w.state != "gone":
@@ -414,6 +453,17 @@ class RunModel:
         world = f"{self.world} ranks" if self.world else ""
         detail = ", ".join(x for x in [world, *extras] if x)
         return f"gen {gen}: {arrow}" + (f" ({detail})" if detail else "")
+
+    def _count_resize(self, gen: int, kind: str, reason: str, leaving: tuple[str, ...],
+                      dead: tuple[str, ...], joining: tuple[str, ...]) -> None:
+        if gen in self.counted:
+            return
+        causes = [self.workers[w].cause or "operator" if w in self.workers else "operator"
+                  for w in leaving]
+        cause = rec.resize_cause(kind, reason, causes, dead, joining)
+        if cause is not None:
+            self.counted.add(gen)
+            self.resizes[cause] = self.resizes.get(cause, 0) + 1
 
     def _set_generation(
         self, gen: int, layout: str, world: int, assignment: tuple[Assignment, ...]
@@ -483,6 +533,7 @@ class RunModel:
     def _on_step(self, ev: Event) -> Any:
         d: rec.Step = ev.data  # type: ignore[assignment]
         self.step = d.step
+        self.last_step_ts = ev.ts
         if d.tokens_per_s is not None:
             self.tokens_per_s = d.tokens_per_s
         self.losses.append(d.loss)
@@ -497,6 +548,10 @@ class RunModel:
         w = self.workers.get(d.by)
         if d.drain == (d.by,) and d.to is None and w is not None and w.state == "leaving":
             return None  # a worker leaving on a signal: the signal line already said it
+        for wid in d.drain:  # an operator's drain (a leaver's own request said its cause)
+            drained = self._worker(wid)
+            if drained is not None and drained.cause is None:
+                drained.cause = "operator"
         what = [f"layout {d.to}"] if d.to else []
         if d.drain:
             what.append(f"drain {compact_ids(list(d.drain))}")
@@ -550,12 +605,20 @@ class RunModel:
             deadline = info.get("leave_deadline")
             if deadline is not None:
                 w.leave_by = _float(deadline)
+            if info.get("leave_reason") and w.cause is None:
+                w.cause = rec.leave_cause(str(info["leave_reason"]))
             if info.get("address") and w.node != "?":
                 self.addresses.setdefault(str(info["address"]), set()).add(w.node)
         if gen is not None and gen.kind != "end" and (self.gen is None or gen.generation >= self.gen):
             if gen.from_layout and gen.generation - 1 not in self.layout_by_gen:
                 self.layout_by_gen[gen.generation - 1] = gen.from_layout
             self._set_generation(gen.generation, gen.to_layout, gen.world, gen.assignment)
+            self._count_resize(gen.generation, gen.kind, gen.reason, gen.leaving, gen.dead,
+                               gen.joining)
+        if gen is not None and gen.plan_stats and gen.plan_stats.get("lower_bound_moved_bytes") is not None:
+            self.lower_bound[gen.generation] = int(gen.plan_stats["lower_bound_moved_bytes"])
+            for old in [g for g in self.lower_bound if g < gen.generation - 1]:
+                del self.lower_bound[old]
         if self.phase == "waiting" and self.gen is not None:
             self.phase = "running"
 
@@ -581,6 +644,7 @@ class RunModel:
         old, self.primary = self.primary, primary
         if old is None or old == primary:
             return None
+        self.failovers += 1
         return self._log(ts, "coordinator.primary",
                          f"coordinator primary moved {old} → {primary}{where}", None)
 
@@ -649,7 +713,20 @@ class RunModel:
             events=[LogLine(x.ts, x.type, x.text, x.count) for x in self.log],
             last_event_ts=self.last_event_ts,
             coordinator=self.coordinator,
+            resizes=dict(self.resizes),
+            last_step_ts=self.last_step_ts,
+            moved_vs_lower_bound=self._moved_ratio(),
+            failovers=self.failovers,
         )
+
+    def _moved_ratio(self) -> float | None:
+        """The last finished migration's bytes moved ÷ its plan's lower bound."""
+        done = [m for m in self.migrations.values() if m.done is not None]
+        if not done:
+            return None
+        last = max(done, key=lambda m: m.gen)
+        moved = last.done.moved_bytes if last.done is not None else None
+        return rec.moved_over_lower_bound(moved, self.lower_bound.get(last.gen))
 
     def _migration_view(self, now: float) -> MigrationView | None:
         if self.current_migration is None:

@@ -257,7 +257,8 @@ def event_lines(view: RunView, count: int) -> list[Text]:
     out = []
     for e in view.events[-count:] if count > 0 else []:
         stamp = time.strftime("%H:%M:%S", time.localtime(e.ts))
-        style = "red" if e.type == "error" else "yellow" if e.type == "worker.signal" else ""
+        style = "red" if e.type == "error" else "yellow" if e.type in (
+            "worker.signal", "node.released") else ""
         times = f" (×{e.count})" if e.count > 1 else ""
         out.append(_line((stamp + " ", "dim"), (e.text + times, style)))
     return out

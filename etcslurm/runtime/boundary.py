@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from etcslurm.coord.coordinator import ACTIVE, GONE, JOINING, LEAVING
-from etcslurm.coord.records import ChangeRequest, GenerationRecord
+from etcslurm.coord.records import RELEASED, ChangeRequest, GenerationRecord
 from etcslurm.errors import EtcslurmError, RecordError
 from etcslurm.runtime.config import WorkerOptions
 
@@ -102,11 +102,17 @@ class Boundary:
             return
         ev = self.signal_event
         budget = ev.budget if ev.budget is not None else self.options.leave_budget
+        reason = getattr(ev, "reason", None)  # a node watcher's notice: drain, reservation
         try:  # one try: peers wait in the boundary's all-reduce meanwhile
-            self.coord.emit("worker.signal", worker=worker, node=self.options.node,
-                            signal=ev.signal, budget_s=budget, received_at=ev.received_at,
-                            retry_s=0)
-            self.coord.leave(within=budget, reason=f"SIG{ev.signal}")
+            if reason:
+                self.coord.emit("node.released", worker=worker, node=self.options.node,
+                                reason=reason, budget_s=budget, retry_s=0)
+            else:
+                self.coord.emit("worker.signal", worker=worker, node=self.options.node,
+                                signal=ev.signal, budget_s=budget, received_at=ev.received_at,
+                                retry_s=0)
+            self.coord.leave(within=budget,
+                             reason=f"{RELEASED}: {reason}" if reason else f"SIG{ev.signal}")
             self.announced = True
         except EtcslurmError as exc:  # coordinator down: train on, announce next boundary
             self.failed(exc)

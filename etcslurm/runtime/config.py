@@ -62,6 +62,9 @@ class RunSettings:
     #: device memory per rank (None: ``torch.cuda.mem_get_info`` on a GPU, no limit on CPU)
     gpu_memory_bytes: int | None = None
     memory_margin: float = DEFAULT_MARGIN  # share of device memory kept free
+    #: TensorBoard scalars of the run, written by its rank 0 (None: none; the
+    #: ``tensorboard`` extra)
+    tensorboard_dir: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layouts", tuple(str(x) for x in self.layouts))
@@ -104,6 +107,7 @@ class RunSettings:
             "recompute": self.recompute,
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "memory_margin": self.memory_margin,
+            "tensorboard_dir": self.tensorboard_dir,
         }
 
     @classmethod
@@ -130,6 +134,7 @@ class RunSettings:
                 recompute=str(spec.get("recompute", "selective")),
                 gpu_memory_bytes=_optional_int(spec.get("gpu_memory_bytes")),
                 memory_margin=float(spec.get("memory_margin", DEFAULT_MARGIN)),
+                tensorboard_dir=spec.get("tensorboard_dir"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"the run spec in the coordinator is malformed: {exc!r}") from None

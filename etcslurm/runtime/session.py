@@ -191,6 +191,9 @@ class ElasticSession:
         coord = Coordinator(self._client, opts.run_id, spec=self.settings.to_json(),
                             heartbeat_interval=opts.heartbeat_interval,
                             dead_after=opts.dead_after)
+        if self.settings.tensorboard_dir:  # scalars of the events this worker emits as rank 0
+            from etcslurm.runtime.tensorboard import Scalars
+            coord.observers.append(Scalars(coord, self.settings.tensorboard_dir))
         boundary = Boundary(coord, opts)
         boundary.install(trap_for_job(opts.signals, opts.leave_budget, boundary.on_signal))
         # address: this node's IP, so the monitor can name the node of a coordinator site

@@ -16,6 +16,9 @@
     gpus_per_node = 8
     account = "proj"
 
+    [autogrow]   # optional: the first job also runs `etcslurm autogrow` on this file
+    max_nodes = 16
+
 ``[run]`` takes every field of :class:`~etcslurm.runtime.config.RunSettings`'s run spec
 (its ``to_json`` keys), so a new setting needs no change here; ``gpus_per_node`` is not
 among them: it follows from ``[slurm]`` (``gpus_per_node``, the count in ``gres``, or
@@ -24,7 +27,8 @@ tasks per node (one per GPU) and the layout policy.  ``initial_workers`` default
 tasks of the first job.  ``[worker]`` takes the worker's own flags and ``command`` (a
 script of the user's that takes the same flags).  ``[slurm]`` takes the fields of
 ``elastic.sbatch`` that the run file does not set itself.  Relative paths are relative
-to the run file's directory.
+to the run file's directory.  ``[autogrow]`` takes the limits of ``etcslurm autogrow``
+(:data:`AUTOGROW_KEYS`); with it, the first job runs the autogrow loop on this file.
 
 :func:`load` reports every problem, one line each (a misspelt field names the nearest
 valid one), as a :class:`RunFileError`; ``python -m etcslurm.slurm.runfile store-spec``
@@ -48,10 +52,14 @@ from typing import Any
 from etcslurm.errors import UsageError
 from etcslurm.slurm.templates import Template, check_value, load_template
 
-TABLES = ("run", "worker", "slurm")
+TABLES = ("run", "worker", "slurm", "autogrow")
+#: ``[autogrow]`` keys and their types (``etcslurm autogrow`` flags of the same names)
+AUTOGROW_KEYS: dict[str, type] = {"max_nodes": int, "partition": str, "min_idle": int,
+                                  "max_pending": int, "interval": float,
+                                  "start_timeout": float, "backoff": float}
 TOP_LEVEL = ("run_id", "run_dir")
 #: elastic.sbatch fields the run file sets itself
-_DERIVED = {"run_id", "worker_cmd", "run_spec", "run_dir", "array"}
+_DERIVED = {"run_id", "worker_cmd", "run_spec", "run_dir", "array", "autogrow_cmd"}
 #: worker flags that the job provides (environment) or that live elsewhere in the file
 _WORKER_SKIP = {"help", "run", "redis", "run_dir", "node", "builder"}
 _ENTRY_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
@@ -79,12 +87,25 @@ class RunFile:
     nodes: int
     tasks_per_node: int
     slurm: dict[str, object] = field(default_factory=dict)  # the other template fields
+    autogrow: dict[str, Any] = field(default_factory=dict)  # [autogrow]; empty: none
+    sets: dict[str, str] = field(default_factory=dict)  # the --set overrides it was read with
 
     def submit_args(self) -> dict[str, Any]:
         """Keyword arguments of :func:`etcslurm.slurm.submission.submit` for this run."""
         fields = {"job_name": self.run_id, **self.slurm}
         fields.update(run_dir=str(self.run_dir), run_spec=json.dumps(self.spec, sort_keys=True))
+        if self.autogrow:
+            fields["autogrow_cmd"] = self.autogrow_cmd()
         return self._common(fields) | {"run_id": self.run_id, "nodes": self.nodes}
+
+    def autogrow_cmd(self) -> str:
+        """``etcslurm autogrow`` on this file (with its ``--set`` overrides), as the first
+        job runs it."""
+        python = str(self.slurm.get("python") or sys.executable)
+        words = [python, "-m", "etcslurm", "autogrow", str(self.path.resolve())]
+        for key, value in self.sets.items():
+            words += ["--set", f"{key}={value}"]
+        return shlex.join(words)
 
     def grow_args(self, template: Template, nodes: int) -> dict[str, Any]:
         """Keyword arguments of :func:`etcslurm.slurm.submission.grow` (``template``: grow's,
@@ -148,7 +169,8 @@ def apply_sets(raw: dict[str, Any], sets: Mapping[str, str], template: Template)
     """Apply ``--set key=value`` (``slurm.nodes=4``, or ``nodes=4`` when only one table has
     it) to the parsed file; returns the problems."""
     vocab = {"run": [k for k in [*_spec_defaults(), "builder"] if k != "gpus_per_node"],
-             "worker": [*_worker_flags(), "command"], "slurm": _slurm_fields(template)}
+             "worker": [*_worker_flags(), "command"], "slurm": _slurm_fields(template),
+             "autogrow": list(AUTOGROW_KEYS)}
     problems = []
     for key, text in sets.items():
         table, _, name = key.rpartition(".")
@@ -157,6 +179,8 @@ def apply_sets(raw: dict[str, Any], sets: Mapping[str, str], template: Template)
                 raw[name] = _toml_value(text)
                 continue
             owners = [t for t in TABLES if name in vocab[t]]
+            if len(owners) > 1 and "autogrow" in owners:  # partition: the job's
+                owners.remove("autogrow")
             if len(owners) > 1:
                 problems.append(f"--set {key}: in {' and '.join(owners)}: write {owners[0]}.{name}")
                 continue
@@ -358,6 +382,7 @@ def load(path: str | Path, sets: Mapping[str, str] | None = None,
     python = str(slurm.get("python") or sys.executable)
     worker_cmd = _worker_cmd(tables["worker"], builder, python, f"{name}: [worker]", problems)
     spec["gpus_per_node"] = devices or tasks
+    autogrow = _check_autogrow(tables["autogrow"], slurm, f"{name}: [autogrow]", problems)
     if "initial_workers" not in tables["run"]:
         spec["initial_workers"] = nodes * tasks
     if not problems:
@@ -366,7 +391,33 @@ def load(path: str | Path, sets: Mapping[str, str] | None = None,
         raise RunFileError(problems)
     return RunFile(path=path, run_id=run_id, run_dir=run_dir, spec=spec, builder=builder,
                    worker_cmd=worker_cmd, split=split, nodes=nodes, tasks_per_node=tasks,
-                   slurm=slurm)
+                   slurm=slurm, autogrow=autogrow, sets=dict(sets or {}))
+
+
+def _check_autogrow(table: dict[str, Any], slurm: dict[str, object], where: str,
+                    problems: list[str]) -> dict[str, Any]:
+    """The ``[autogrow]`` table, checked (empty: no autogrow)."""
+    if not table:
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        kind = AUTOGROW_KEYS.get(key)
+        if kind is None:
+            problems.append(_unknown(where, key, list(AUTOGROW_KEYS)))
+        elif isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+            problems.append(f"{where} {key}: expected {_kind(kind())}, got {value!r}")
+        elif kind is not str and (value <= 0 if kind is float else value < 1):
+            problems.append(f"{where} {key}: must be {'> 0' if kind is float else '>= 1'}, "
+                            f"got {value!r}")
+        else:
+            out[key] = value
+    if "max_nodes" not in table:
+        problems.append(f"{where} max_nodes: missing (the most nodes the run may grow to)")
+    out.setdefault("partition", slurm.get("partition") or "")
+    if not out["partition"]:
+        problems.append(f"{where} partition: missing (here or in [slurm]): the partition "
+                        "whose idle nodes it grows into")
+    return out
 
 
 def _check_spec(spec: dict[str, Any], name: str) -> list[str]:

@@ -22,10 +22,19 @@ docs/coordinator.md and docs/monitor.md list these fields; this package is the s
 
 from __future__ import annotations
 
+from etcslurm.coord.records.causes import (
+    RELEASED,
+    RESIZE_CAUSES,
+    leave_cause,
+    moved_over_lower_bound,
+    resize_cause,
+)
 from etcslurm.coord.records.change import ChangeRequest
 from etcslurm.coord.records.codec import Record, field_summary, replace
 from etcslurm.coord.records.events import (
+    AUTOGROW_ACTIONS,
     EVENT_TYPES,
+    Autogrow,
     ChangeRequested,
     Error,
     Event,
@@ -35,6 +44,7 @@ from etcslurm.coord.records.events import (
     MigrationDone,
     MigrationProgress,
     MigrationRebuild,
+    NodeReleased,
     RunEnd,
     RunRollback,
     RunStandby,
@@ -56,10 +66,14 @@ from etcslurm.coord.records.generation import (
 )
 
 __all__ = [
+    "AUTOGROW_ACTIONS",
     "EVENT_TYPES",
     "KINDS",
+    "RELEASED",
+    "RESIZE_CAUSES",
     "VERSION",
     "Assignment",
+    "Autogrow",
     "ChangeRequest",
     "ChangeRequested",
     "Error",
@@ -71,6 +85,7 @@ __all__ = [
     "MigrationDone",
     "MigrationProgress",
     "MigrationRebuild",
+    "NodeReleased",
     "Record",
     "RunEnd",
     "RunRollback",
@@ -82,8 +97,11 @@ __all__ = [
     "WorkerState",
     "event_data",
     "field_summary",
+    "leave_cause",
+    "moved_over_lower_bound",
     "pack_ids",
     "parse_event",
     "replace",
+    "resize_cause",
     "unpack_ids",
 ]

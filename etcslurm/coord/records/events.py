@@ -175,6 +175,46 @@ class RunEnd(EventData):
     checkpoint: str | None = None
 
 
+class NodeReleased(EventData):
+    """A worker leaves because Slurm wants its node back soon without a signal: the node
+    is draining, or a reservation that is not the job's starts on it (``reason`` says
+    which); it hands its state over at the next step boundary like a signalled one."""
+
+    TYPE: ClassVar[str] = "node.released"
+    WHAT: ClassVar[str] = "node.released event"
+
+    worker: str
+    reason: str
+    node: str | None = None
+    budget_s: Number | None = None
+
+
+#: what an autogrow decision did (``etcslurm autogrow``)
+AUTOGROW_ACTIONS = ("start", "submit", "cancel", "backoff", "stop")
+
+
+class Autogrow(EventData):
+    """A decision of ``etcslurm autogrow``: it submitted a one-node grow job, cancelled
+    pending ones, backed off, started or stopped (``reason`` says why); ``nodes``: the
+    run's nodes (in use + starting) it counted, ``idle``: idle nodes it saw."""
+
+    TYPE: ClassVar[str] = "autogrow"
+    WHAT: ClassVar[str] = "autogrow event"
+
+    action: str
+    reason: str
+    jobs: tuple[str, ...] = ()
+    nodes: int | None = None
+    max_nodes: int | None = None
+    idle: int | None = None
+    pending: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.action not in AUTOGROW_ACTIONS:
+            raise RecordError(f"{self.WHAT}: field 'action' must be one of "
+                              f"{', '.join(AUTOGROW_ACTIONS)}, got {self.action!r}")
+
+
 class RunStandby(EventData):
     """No allowed layout of the workers at hand fits (too few, or device memory): the run
     waits as standby for more (``reason``: one line, ``devices``: how many were here)."""
@@ -240,9 +280,10 @@ class ChangeRequested(EventData):
 #: Every event type the runtime, coordinator and CLI write, and its payload class.
 EVENT_TYPES: dict[str, type[EventData]] = {
     c.TYPE: c
-    for c in (WorkerRegistered, WorkerState, WorkerGone, WorkerSignal, ChangeRequested,
-              GenerationStart, MigrationRebuild, MigrationProgress, MigrationDone, Step,
-              RunEnd, RunRollback, RunStandby, Error, JobRequeued)
+    for c in (WorkerRegistered, WorkerState, WorkerGone, WorkerSignal, NodeReleased,
+              ChangeRequested, GenerationStart, MigrationRebuild, MigrationProgress,
+              MigrationDone, Step, RunEnd, RunRollback, RunStandby, Error, JobRequeued,
+              Autogrow)
 }
 
 
