@@ -20,6 +20,7 @@ from etcslurm.core.plan import sources as sources_mod
 from etcslurm.core.state import Piece, box_relative, locate
 from etcslurm.errors import UsageError
 from etcslurm.megatron_state.planning import gpt_inputs
+from tests.helpers import random_holdings
 
 SPEC = GPTSpec(layers=4, hidden=32, heads=4, ffn=64, vocab=200, seq=16)
 
@@ -197,62 +198,10 @@ def test_state_whose_holders_are_all_gone_is_missing():
 
 @st.composite
 def any_holdings(draw):
-    """Planner inputs that no GPT layout gives: a few tensors (scalars included) tiled
-    into random boxes per layout, each box held by random classes, sometimes an extra
-    old piece overlapping others, dead devices, leavers and joiners."""
+    """Planner inputs that no GPT layout gives (:func:`tests.helpers.random_holdings`)."""
     import random
 
-    rng = random.Random(draw(st.integers(0, 10**9)))
-    tensors = {f"t{k}": tuple(rng.randint(1, 6) for _ in range(rng.randint(0, 3)))
-               for k in range(rng.randint(1, 4))}
-
-    def tiling(shape):
-        boxes = [tuple((0, n) for n in shape)]
-        for _ in range(rng.randint(0, 3)):
-            b = boxes.pop(rng.randrange(len(boxes)))
-            axes = [a for a, (lo, hi) in enumerate(b) if hi - lo > 1]
-            if not axes:
-                boxes.append(b)
-                continue
-            a = rng.choice(axes)
-            lo, hi = b[a]
-            cut = rng.randrange(lo + 1, hi)
-            boxes += [(*b[:a], (lo, cut), *b[a + 1:]), (*b[:a], (cut, hi), *b[a + 1:])]
-        return boxes
-
-    def layout(n_cls):
-        blocks, class_blocks = [], [[] for _ in range(n_cls)]
-        for key, shape in tensors.items():
-            for box in tiling(shape):
-                blocks.append([Piece(key, box, "float32")])
-                for c in rng.sample(range(n_cls), rng.randint(1, n_cls)):
-                    class_blocks[c].append(len(blocks) - 1)
-        return blocks, class_blocks
-
-    n_oc, n_nc = rng.randint(1, 4), rng.randint(1, 4)
-    old_blocks, old_class_blocks = layout(n_oc)
-    new_blocks, new_class_blocks = layout(n_nc)
-    overlapping = rng.random() < 0.3
-    if overlapping:
-        key = rng.choice(list(tensors))
-        box = tuple((lo, rng.randint(lo + 1, n)) for n in tensors[key]
-                    for lo in [rng.randrange(n)])
-        old_blocks.append([Piece(key, box, "float32")])
-        old_class_blocks[rng.randrange(n_oc)].append(len(old_blocks) - 1)
-    old_dev = {str(d): rng.randrange(n_oc) for d in range(rng.randint(1, 6))}
-    leave = [d for d in old_dev if rng.random() < 0.3][: len(old_dev) - 1]
-    joiners = [f"join:{k}" for k in range(rng.randint(0, 3))]
-    n_new = rng.randint(1, len(old_dev) - len(leave) + len(joiners))
-    inputs = PlanInputs(
-        old_device_class=old_dev, new_rank_class=[rng.randrange(n_nc) for _ in range(n_new)],
-        nodes={d: f"n{rng.randrange(3)}" for d in [*old_dev, *joiners]}, leaving=leave,
-        joiners=joiners, staging_bytes=rng.choice([4, 16, 10**6]), old_blocks=old_blocks,
-        old_class_blocks=old_class_blocks, new_blocks=new_blocks,
-        new_class_blocks=new_class_blocks)
-    alive = [d for d in old_dev if d not in leave]
-    if rng.random() < 0.3 and len(alive) - 1 + len(joiners) >= n_new:
-        del inputs.old_device_class[rng.choice(alive)]  # dead: its pieces may be missing
-    return inputs, overlapping
+    return random_holdings(random.Random(draw(st.integers(0, 10**9))))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
