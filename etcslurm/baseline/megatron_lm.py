@@ -89,6 +89,13 @@ def resolve(path: str | os.PathLike[str]) -> tuple[Path, int | None]:
                      "checkpoint (metadata.json)")
 
 
+def saved_iteration(path: str | os.PathLike[str]) -> int:
+    """The ``iteration`` a checkpoint's common state records (0 when it has none)."""
+    from megatron.core import dist_checkpointing
+
+    return int(dist_checkpointing.load_common_state_dict(str(path)).get("iteration") or 0)
+
+
 def saved_iterations(save_dir: str | os.PathLike[str]) -> list[Path]:
     """The ``iter_NNNNNNN`` directories of ``save_dir``, oldest first."""
     found = [p for p in Path(save_dir).glob("iter_*") if p.is_dir() and _ITER.match(p.name)]

@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "submit",
     "grow",
     "resize",
+    "checkpoint",
     "coordinator",
 )
 

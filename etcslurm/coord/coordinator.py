@@ -48,6 +48,8 @@ from etcslurm.coord.client import CoordClient
 from etcslurm.coord.records import (
     ChangeRequest,
     ChangeRequested,
+    CheckpointRequest,
+    CheckpointRequested,
     GenerationRecord,
     GenerationStart,
     event_data,
@@ -670,6 +672,35 @@ class Coordinator:
         """Drop the ``count`` oldest requests (the leader handled them at a boundary)."""
         if count > 0:
             self.client.call("take changes", lambda r: r.ltrim(self.keys.changes, count, -1))
+
+    # ------------------------------------------------------------------ checkpoint requests
+    def request_checkpoint(self, request: CheckpointRequest) -> None:
+        """Ask for a checkpoint at the next step boundary (``etcslurm checkpoint``); emits
+        ``checkpoint.requested``.  Requests made before one is taken are one request."""
+        if not isinstance(request, CheckpointRequest):
+            raise UsageError("request_checkpoint needs a CheckpointRequest, got "
+                             f"{type(request).__name__}")
+        raw = dumps(request.to_json(), self.keys.checkpoint, self.max_value_bytes)
+        self.client.decided("request checkpoint", lambda r: r.set(self.keys.checkpoint, raw),
+                            self._ack_key)
+        self.emit("checkpoint.requested", **CheckpointRequested.of(request).to_json())
+
+    def checkpoint_request(self, deadline: float | None = None) -> CheckpointRequest | None:
+        """The checkpoint request not yet taken, if any (``deadline``: as for
+        :meth:`pending_changes`)."""
+        key = self.keys.checkpoint
+        raw = self.client.call("read checkpoint request", lambda r: r.get(key), deadline)
+        if raw is None:
+            return None
+        try:
+            return CheckpointRequest.from_json(loads(raw, key, self.max_value_bytes))
+        except RecordError as exc:
+            raise RecordError(f"coordinator entry {key}: {exc}") from None
+
+    def take_checkpoint_request(self) -> None:
+        """Drop the checkpoint request (the step boundary began its save)."""
+        key = self.keys.checkpoint
+        self.client.call("take checkpoint request", lambda r: r.delete(key))
 
     # ------------------------------------------------------------------ events
     def emit(self, type: str, *, at_ts: float | None = None, retry_s: float | None = None,

@@ -12,6 +12,8 @@ anything unknown, missing or of the wrong type.  JSON only; nothing is ever unpi
   that :func:`parse_event` builds from a stream entry.
 * :class:`ChangeRequest`: an operator's (``etcslurm resize``) or a leaving worker's
   request, queued in the ``changes`` list and also the payload of ``change.requested``.
+* :class:`CheckpointRequest`: an operator's ``etcslurm checkpoint``, the ``checkpoint``
+  key until the next step boundary takes it; the payload of ``checkpoint.requested``.
 
 docs/coordinator.md and docs/monitor.md list these fields; this module is the source.
 """
@@ -490,6 +492,18 @@ class ChangeRequest(_Record):
             _layout(self.to, "change request: field 'to'")
 
 
+@dataclass(frozen=True)
+class CheckpointRequest(_Record):
+    """A request for a checkpoint at the next step boundary (the run's periodic save,
+    now); ``by``: who asked, ``ts``: unix time, ``reason``: free text for the log."""
+
+    WHAT: ClassVar[str] = "checkpoint request"
+
+    by: str
+    ts: float
+    reason: str = ""
+
+
 # ---------------------------------------------------------------- events
 
 
@@ -730,12 +744,42 @@ class ChangeRequested(EventData):
         return cls(req.to, req.drain, req.by, req.ts, req.reason)
 
 
+@dataclass(frozen=True)
+class CheckpointRequested(EventData):
+    """A :class:`CheckpointRequest` was made (same fields)."""
+
+    TYPE: ClassVar[str] = "checkpoint.requested"
+    WHAT: ClassVar[str] = "checkpoint.requested event"
+
+    by: str
+    ts: float
+    reason: str = ""
+
+    @classmethod
+    def of(cls, req: CheckpointRequest) -> CheckpointRequested:
+        return cls(req.by, req.ts, req.reason)
+
+
+@dataclass(frozen=True)
+class CheckpointSaving(EventData):
+    """The step boundary took a checkpoint request: the save of ``step`` into ``path``
+    began (complete once the directory's ``latest_checkpointed_iteration.txt`` names it)."""
+
+    TYPE: ClassVar[str] = "checkpoint.saving"
+    WHAT: ClassVar[str] = "checkpoint.saving event"
+
+    step: int
+    path: str
+    by: str = ""
+
+
 #: Every event type the runtime, coordinator and CLI write, and its payload class.
 EVENT_TYPES: dict[str, type[EventData]] = {
     c.TYPE: c
     for c in (WorkerRegistered, WorkerState, WorkerGone, WorkerSignal, ChangeRequested,
               GenerationStart, MigrationRebuild, MigrationProgress, MigrationDone, Step,
-              RunEnd, RunRollback, RunStandby, Error, JobRequeued)
+              RunEnd, RunRollback, RunStandby, Error, JobRequeued, CheckpointRequested,
+              CheckpointSaving)
 }
 
 

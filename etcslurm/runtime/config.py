@@ -58,6 +58,11 @@ class RunSettings:
     #: device memory per rank (None: ``torch.cuda.mem_get_info`` on a GPU, no limit on CPU)
     gpu_memory_bytes: int | None = None
     memory_margin: float = DEFAULT_MARGIN  # share of device memory kept free
+    #: a megatron-core / Megatron-LM checkpoint to start from (a save directory with
+    #: ``latest_checkpointed_iteration.txt``, or one ``iter_NNNNNNN``), saved in any
+    #: layout, the distributed optimizer's ``dp_reshardable`` format included; a run that
+    #: has a checkpoint of its own (a requeued one) resumes that instead
+    load: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layouts", tuple(str(x) for x in self.layouts))
@@ -69,6 +74,8 @@ class RunSettings:
                     gpus_per_node=self.gpus_per_node, device_memory_bytes=self.gpu_memory_bytes,
                     memory_margin=self.memory_margin, allowed=allowed,
                     min_world=self.min_world, max_world=self.max_world)
+        if self.load is not None:
+            object.__setattr__(self, "load", str(self.load))
         if self.first_layout is not None:
             first = ParallelConfig.parse(self.first_layout)
             object.__setattr__(self, "first_layout", str(first))
@@ -100,6 +107,7 @@ class RunSettings:
             "recompute": self.recompute,
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "memory_margin": self.memory_margin,
+            "load": self.load,
         }
 
     @classmethod
@@ -126,6 +134,7 @@ class RunSettings:
                 recompute=str(spec.get("recompute", "selective")),
                 gpu_memory_bytes=_optional_int(spec.get("gpu_memory_bytes")),
                 memory_margin=float(spec.get("memory_margin", DEFAULT_MARGIN)),
+                load=None if spec.get("load") is None else str(spec["load"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"the run spec in the coordinator is malformed: {exc!r}") from None

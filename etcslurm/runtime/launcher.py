@@ -62,6 +62,8 @@ class DemoOptions:
     staging_mb: float | None = None  # the run's staging cap (default: 512 MiB)
     min_step_seconds: float = 0.0  # pace the steps so joiners arrive in time
     checkpoint_every: int = 0  # periodic checkpoints (a lost piece rolls back to the last)
+    first_layout: str | None = None  # generation 0's layout (default: the policy's)
+    load: str | None = None  # a Megatron-LM checkpoint to start from (RunSettings.load)
     #: the worker program: fault tests use ``etcslurm.testing.worker`` with its arguments
     worker_module: str = "etcslurm.runtime.worker"
     worker_args: tuple[str, ...] = ()
@@ -144,7 +146,8 @@ class LocalRun:
             model=spec, optimizer=opts.optimizer, global_batch=opts.global_batch,
             micro_batch=opts.micro_batch, seed=opts.seed, steps=opts.steps,
             initial_workers=initial, gpus_per_node=opts.gpus_per_node,
-            checkpoint_every=opts.checkpoint_every, **staging,
+            checkpoint_every=opts.checkpoint_every, first_layout=opts.first_layout,
+            load=opts.load, **staging,
         )
         self.coord = Coordinator(connect(url, password_file), run_id)
         self.coord.ensure_spec(self.settings.to_json())
