@@ -199,6 +199,49 @@ def test_latest_checkpointed_iteration_names_the_checkpoint(tmp_path: Path) -> N
         megatron_lm.read_tracker(save)
 
 
+# ------------------------------------------------------------------ etcslurm checkpoint
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETCSLURM_")}
+    return subprocess.run([sys.executable, "-m", "etcslurm", "checkpoint", *args],
+                          capture_output=True, text=True, timeout=60, env=env,
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.redis
+def test_etcslurm_checkpoint_sets_the_request_the_boundary_takes(redis_url: str,
+                                                                 run_id: str) -> None:
+    """One line and exit 2 for a run that is not there; else the ``checkpoint`` key holds
+    the request (requests before one is taken are one) and ``checkpoint.requested`` says
+    so."""
+    from etcslurm.coord.client import connect
+    from etcslurm.coord.coordinator import Coordinator
+    from etcslurm.runtime.config import RunSettings
+
+    proc = _cli("--run", "no-such-run-x", "--redis", redis_url)
+    assert proc.returncode == 2 and "no run 'no-such-run-x'" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    client = connect(redis_url)
+    coord = Coordinator(client, run_id)
+    coord.ensure_spec(RunSettings(model=LLAMA).to_json())
+    try:
+        for reason in ("first", "second"):
+            proc = _cli("--run", run_id, "--redis", redis_url, "--reason", reason, "--json")
+            assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["request"]["reason"] == "second"
+        request = coord.checkpoint_request()
+        assert (request.by, request.reason) == ("operator", "second")
+        from etcslurm.coord.records import parse_event
+
+        asked = [parse_event(e).data for e in coord.read_events()
+                 if e["type"] == "checkpoint.requested"]
+        assert [d.reason for d in asked] == ["first", "second"]
+        coord.take_checkpoint_request()
+        assert coord.checkpoint_request() is None
+    finally:
+        coord.end_run()
+        client.close()
+
+
 # ------------------------------------------------------------------ 4 processes: bit for bit
 @pytest.mark.slow
 def test_dp_reshardable_bf16_checkpoint_loads_bit_exact_into_another_tp(tmp_path: Path) -> None:
