@@ -121,7 +121,7 @@ def loop(args: argparse.Namespace, rank: int, every: int, run_id: str,
         generation = session.generation
     if generation != 0:
         raise RuntimeError(f"the world changed during the loop (generation {generation})")
-    done = sorted(p.name for p in (run_dir / "checkpoint" / "periodic").glob("step*"))
+    done = sorted(p.name for p in (run_dir / "checkpoint" / "periodic").glob("iter_*"))
     return {"step_s": times, "losses": losses, "held_s": held, "saves_at": saves,
             "kept": done, "writer_startup_s": startup_s}
 

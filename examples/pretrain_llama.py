@@ -11,7 +11,8 @@ reads the next global batch from the consumed-samples counter, in the order of
 Megatron-LM's pretraining sampler, so after a restart or a resize (any data-parallel
 size) training continues with the next unseen sample.
 
-    torchrun --nproc-per-node 2 examples/pretrain_llama_plain.py --tp 1 --pp 1
+    torchrun --nproc-per-node 2 examples/pretrain_llama_plain.py --layout tp1pp1dp2 \
+        --save ckpt --save-interval 10      # then --load ckpt, in any layout
     python examples/pretrain_llama.py --run r1 --redis URL --password-file F --workers 2  # x2
 """
 
@@ -21,6 +22,8 @@ import argparse
 import fcntl
 import json
 import os
+import random
+import re
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -40,6 +43,13 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Pretrain a small Llama with megatron-core.")
     p.add_argument("--run-dir", default=".")
     worker_arguments(p)  # --run, --redis, --workers, ...: etcslurm chooses the layout
+    p.add_argument("--layout", default=None,
+                   help="tp<N>pp<N>dp<N>: the layout (plain: N ranks; elastic: the first one)")
+    p.add_argument("--load", default=None, metavar="DIR",
+                   help="start from this Megatron-LM checkpoint (a --save DIR or an iter_N)")
+    p.add_argument("--save", default=None, metavar="DIR", help="plain loop: checkpoint into DIR")
+    p.add_argument("--save-interval", type=int, default=None, metavar="N",
+                   help="checkpoint every N steps (elastic: into its --checkpoint-dir)")
     # the model's shapes (a small Llama: grouped-query attention with 2 groups)
     for name, default in (("layers", 4), ("hidden", 64), ("heads", 4), ("query-groups", 2),
                           ("ffn", 128), ("vocab", 1000), ("seq", 64)):
@@ -222,13 +232,125 @@ def report(progress: Progress, loss: float) -> None:
                           "consumed_samples": progress.consumed_samples}), flush=True)
 
 
+# ---------------------------------------------------------------------------- checkpoints
+# Megatron-LM's (megatron/training/checkpointing.py), with megatron-core's dist_checkpointing:
+# SAVE/iter_NNNNNNN/ and SAVE/latest_checkpointed_iteration.txt; model (model0..N for virtual
+# pipeline chunks), optimizer, opt_param_scheduler, rng_state, iteration, args.
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def checkpoint_state(model: list[Any], optimizer: Any, metadata: dict, loading: bool,
+                     rng: bool = True) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    groups = {**metadata, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    chunks = [chunk.module for chunk in model]
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    state = {key: chunk.sharded_state_dict(metadata=groups)
+             for key, chunk in zip(keys, chunks, strict=True)}
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading, metadata=groups)
+    if rng:  # one per (pp, tp) rank, restored only into the same TP and PP
+        states = None if loading else [{
+            "random_rng_state": random.getstate(), "np_rng_state": numpy.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.cuda.get_rng_state(),
+            "rng_tracker_states": get_cuda_rng_tracker().get_states()}]
+        state["rng_state"] = ShardedObject(
+            "rng_state", states, (ps.get_pipeline_model_parallel_world_size(),
+                                  ps.get_tensor_model_parallel_world_size()),
+            (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+            replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+    return state
+
+
+def save_checkpoint(model: list[Any], optimizer: Any, scheduler: Any, progress: Progress,
+                    args: argparse.Namespace) -> None:
+    """Every --save-interval steps into --save (the distributed optimizer in Megatron-LM's
+    default format, dp_reshardable); the tracker moves once every rank's files are written."""
+    from megatron.core import dist_checkpointing
+
+    if not args.save or not args.save_interval or progress.iteration % args.save_interval:
+        return
+    metadata: dict[str, Any] = {"singleton_local_shards": False,
+                                "chained_optim_avoid_prefix": True}
+    if args.optimizer == "distributed":
+        metadata["distrib_optim_sharding_type"] = "dp_reshardable"
+    path = Path(args.save) / f"iter_{progress.iteration:07d}"
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state = checkpoint_state(model, optimizer, metadata, loading=False)
+    saved_args = argparse.Namespace(
+        **vars(args), tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        data_parallel_size=ps.get_data_parallel_world_size(), world_size=dist.get_world_size(),
+        global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
+        consumed_train_samples=progress.consumed_samples,
+        use_distributed_optimizer=args.optimizer == "distributed")
+    state.update(iteration=progress.iteration, checkpoint_version=3.0, args=saved_args,
+                 opt_param_scheduler=scheduler.state_dict(),
+                 num_floating_point_operations_so_far=0)
+    dist_checkpointing.save(state, str(path), content_metadata=metadata)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (Path(args.save) / TRACKER).write_text(f"{progress.iteration}\n")
+
+
+def load_checkpoint(model: list[Any], optimizer: Any, scheduler: Any, progress: Progress,
+                    args: argparse.Namespace) -> Progress:
+    """--load's checkpoint (its tracker's iteration, or one iter_N) into the model, in any
+    TP/PP when its optimizer state is model-space (a plain optimizer, fully_reshardable)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    if not args.load:
+        return progress
+    path = Path(args.load)
+    if (path / TRACKER).exists():
+        path = path / f"iter_{int((path / TRACKER).read_text()):07d}"
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    metadata = dist_checkpointing.load_content_metadata(str(path)) or {}
+    saved = common["args"]
+    same = (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size) == (
+        ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+    sharding = metadata.get("distrib_optim_sharding_type")
+    if args.optimizer == "distributed" and not same and sharding != "fully_reshardable":
+        raise SystemExit(f"{path}: (TP, PP) mismatch: the distributed optimizer's {sharding} "
+                         "format reshards only along DP")
+    request = checkpoint_state(model, optimizer, metadata, loading=True, rng=same)
+    loaded = dist_checkpointing.load(request, str(path))
+    for key in [k for k in request if k == "model" or k[5:].isdigit()]:
+        model[int(key[5:] or 0)].module.load_state_dict(loaded[key])
+    with torch.no_grad():  # fp32 params: the main params are views of them
+        optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    progress.iteration, progress.consumed_samples = loaded["iteration"], saved.consumed_train_samples
+    if same:
+        rng = loaded["rng_state"][0]
+        random.setstate(rng["random_rng_state"])
+        numpy.random.set_state(rng["np_rng_state"])
+        torch.set_rng_state(rng["torch_rng_state"])
+        torch.cuda.set_rng_state(rng["cuda_rng_state"])
+        get_cuda_rng_tracker().set_states(rng["rng_tracker_states"])
+    return progress
+
+
+def parse_layout(text: str | None) -> tuple[int, int]:
+    """(tp, pp) of ``tp<N>pp<N>dp<N>`` (the data-parallel size is what the ranks leave)."""
+    match = re.fullmatch(r"tp(\d+)pp(\d+)dp(\d+)", text or "tp1pp1dp1")
+    if match is None:
+        raise SystemExit(f"--layout {text!r} is not of the form tp<N>pp<N>dp<N>")
+    return int(match[1]), int(match[2])
+
+
 # ---------------------------------------------------------------------------- the loop
 def main() -> None:
     args = parser().parse_args()
     dataset = build_dataset(args)
     log = open(Path(args.run_dir) / f"samples-{os.getpid()}.jsonl", "a")  # noqa: SIM115
     settings = RunSettings(global_batch=args.global_batch, micro_batch=args.micro_batch,
-                           steps=args.steps, initial_workers=args.workers)
+                           steps=args.steps, initial_workers=args.workers, load=args.load,
+                           first_layout=args.layout, checkpoint_every=args.save_interval or 0)
     with ElasticSession(settings, worker_options(args), build=lambda layout: build(args)) as session:
         while not session.finished:
             with session.step():  # a peer lost inside the step: recover, then redo the step

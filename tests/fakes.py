@@ -39,6 +39,7 @@ class FakeCoordinator:
         self.leader_id = leader
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.changes: list[ChangeRequest] = []
+        self.checkpoint: Any = None  # a CheckpointRequest not yet taken
         self.states: list[tuple[str, dict[str, Any]]] = []
         self.held: dict[str, int] = {}  # hold(): worker -> failed generation
         self.gone: list[str] = []
@@ -144,6 +145,12 @@ class FakeCoordinator:
     def take_changes(self, count: int) -> None:
         del self.changes[:count]
 
+    def checkpoint_request(self, deadline: float | None = None) -> Any:
+        return self.checkpoint
+
+    def take_checkpoint_request(self) -> None:
+        self.checkpoint = None
+
     def emit(self, type: str, **fields: Any) -> None:
         self.events.append((type, fields))
 
@@ -173,6 +180,8 @@ class FakeWorld:
     saved: list[str] = field(default_factory=list)
     loaded: list[str] = field(default_factory=list)
     votes: list[bool] = field(default_factory=list)
+    save_votes: list[bool] = field(default_factory=list)
+    started_saves: list[str] = field(default_factory=list)  # save_async's directories
     retired: list[Any] = field(default_factory=list)  # models replaced at a resize
     analytic: bool = False
     notice: float = 0.5  # notice_seconds(): how long a member may take to see a failure
@@ -197,9 +206,11 @@ class FakeWorld:
     def check_describable(self, trainee: Any) -> None:
         """Stand-in models are always describable."""
 
-    def vote(self, change: bool, rank: int, candidate: bool) -> tuple[bool, int | None]:
+    def vote(self, change: bool, rank: int, candidate: bool,
+             save: bool = False) -> tuple[bool, int | None, bool]:
         self.votes.append(change)
-        return change, rank if candidate else None
+        self.save_votes.append(save)
+        return change, rank if candidate else None, save
 
     def retire(self, trainee: Any) -> None:
         self.retired.append(trainee)
@@ -227,7 +238,17 @@ class FakeWorld:
         return MigrationResult(trainee, plan, TransferStats(device=job.me), {"exchange": [0.0]})
 
     def save_checkpoint(self, trainee: Any, path: Any) -> None:
+        """Record the save; its tracker as the real save moves it (no files)."""
+        from etcslurm.baseline.megatron_lm import write_tracker
+
         self.saved.append(str(path))
+        write_tracker(path, trainee.iteration)
+
+    def save_async(self, trainee: Any, path: Any) -> None:
+        self.started_saves.append(str(path))
+
+    def checkpoint_poll(self, blocking: bool) -> bool:
+        return True
 
     def load_checkpoint(self, trainee: Any, path: str) -> None:
         self.loaded.append(path)

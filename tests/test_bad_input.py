@@ -307,7 +307,7 @@ def test_unusable_checkpoint_directory(case: str, code: int, needle: str, redis_
     else:
         ckpt = tmp_path / "ckpt"
         ckpt.mkdir()
-        (ckpt / "latest.json").write_text("{garbage")
+        (ckpt / "latest_checkpointed_iteration.txt").write_text("{garbage")
     spec = RunSettings(model=GPTSpec.parse("gpt-tiny"), steps=2).to_json()
     client = connect(redis_url)
     coord = Coordinator(client, run_id)

@@ -49,7 +49,7 @@ SAMPLES = {
                        "phases": {"decide": 0.1, "exchange": 0.2}},
     "step": {"gen": 1, "step": 5, "loss": 4.25, "tokens_per_s": 1000.0},
     "run.end": {"reason": "finished", "step": 9, "keep_s": 0.0, "checkpoint": None},
-    "run.rollback": {"step": 4, "lost_steps": 2, "checkpoint": "/ckpt/step00000004",
+    "run.rollback": {"step": 4, "lost_steps": 2, "checkpoint": "/ckpt/iter_0000004",
                      "reason": "2 pieces lost"},
     "run.standby": {"reason": "64 devices: no layout fits", "devices": 64},
     "error": {"message": "boom", "worker": "w2"},
@@ -58,6 +58,9 @@ SAMPLES = {
                       "node": "n1", "budget_s": 90.0},
     "autogrow": {"action": "submit", "reason": "2 idle nodes in debug", "jobs": ["41"],
                  "nodes": 2, "max_nodes": 3, "idle": 2, "pending": 1},
+    "checkpoint.requested": {"by": "operator", "ts": 3.0, "reason": "before the upgrade"},
+    "checkpoint.saving": {"step": 12, "path": "/ckpt/periodic/iter_0000012",
+                          "by": "operator"},
 }
 
 

@@ -390,7 +390,7 @@ def test_rollback_decision_resumes_the_checkpoint_on_the_survivors() -> None:
     start = first_generation(settings, ["w1", "w2"], {"w1": "n0", "w2": "n0"})
     record, _ = next_generation(
         settings, start, leaving=[], dead=["w2"], ready=[], nodes={}, step=7, scalars={},
-        reason="recover", rollback={"path": "/ckpt/periodic/step00000006", "step": 6})
-    assert record.kind == "start" and record.resume == "/ckpt/periodic/step00000006"
+        reason="recover", rollback={"path": "/ckpt/periodic/iter_0000006", "step": 6})
+    assert record.kind == "start" and record.resume == "/ckpt/periodic/iter_0000006"
     assert record.step == 6 and record.union == ("w1",) and record.dead == ("w2",)
     assert record.generation == start.generation + 1 and "1 steps lost" in record.reason

@@ -11,15 +11,14 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from etcslurm.coord.records import ChangeRequest, GenerationRecord, replace
-from etcslurm.errors import StateLostError, WaitTimeout
-from etcslurm.runtime import recovery, transitions
+from etcslurm.coord.records import ChangeRequest, CheckpointRequest, GenerationRecord, replace
+from etcslurm.errors import StateLostError, UsageError, WaitTimeout
+from etcslurm.runtime import recovery, steps, transitions
 from etcslurm.runtime.generation import end_generation
 from etcslurm.runtime.machine import Phase, State, drive, settle
 from etcslurm.runtime.session import TRANSITIONS
@@ -315,9 +314,14 @@ def test_whole_run_preempted_writes_a_checkpoint_and_a_restart_resumes(tmp_path:
     ctx = _member_of(coord, gen0, "w1", tmp=str(tmp_path))
     final = drive(ctx, State(Phase.DECIDE), TRANSITIONS)
     assert final == State(Phase.LEFT, reason="checkpointed")
-    assert coord.records[-1].kind == "checkpoint" and ctx.world.saved
-    pointer = json.loads((tmp_path / "checkpoint" / "latest.json").read_text())
+    assert coord.records[-1].kind == "checkpoint"
+    assert ctx.world.saved == [str(tmp_path / "checkpoint")]  # the save directory
+    # Megatron-LM's tracker names the step's iter_NNNNNNN (the fake save moved it)
+    assert (tmp_path / "checkpoint" / "latest_checkpointed_iteration.txt").read_text() == "7\n"
+    pointer = {"path": str(tmp_path / "checkpoint" / "iter_0000007"), "step": 7}
     assert pointer["step"] == coord.records[-1].step
+    (tmp_path / "checkpoint" / "iter_0000007").mkdir()
+    (tmp_path / "checkpoint" / "iter_0000007" / "metadata.json").write_text("{}")
     # the requeued job's workers register afresh and resume from the pointer
     for w in ("w1", "w2"):
         coord.workers[w]["state"] = "gone"
@@ -327,6 +331,67 @@ def test_whole_run_preempted_writes_a_checkpoint_and_a_restart_resumes(tmp_path:
     start = coord.records[-1]
     assert start.kind == "start" and start.resume == pointer["path"]
     assert fresh.world.loaded == [pointer["path"]]
+
+
+def _saved(where: Path, iteration: int) -> Path:
+    """A save directory in Megatron-LM's layout (the files the loader looks at)."""
+    target = where / f"iter_{iteration:07d}"
+    target.mkdir(parents=True)
+    (target / "metadata.json").write_text("{}")
+    (where / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+    return target
+
+
+def test_a_run_started_with_load_resumes_that_checkpoint_unless_it_has_its_own(
+        tmp_path: Path) -> None:
+    """``RunSettings(load=DIR)``: generation 0 resumes DIR's latest iteration (any layout:
+    the loader reshards); a requeued run resumes its own whole-run checkpoint instead."""
+    theirs = _saved(tmp_path / "plain", 5)
+    for own in (False, True):
+        if own:
+            mine = _saved(tmp_path / "run" / "checkpoint", 9)
+        coord = FakeCoordinator({"w1": member("joining"), "w2": member("joining")})
+        ctx = context("w1", coord, initial=2, tmp=str(tmp_path / "run"))
+        ctx.settings = ctx.world.settings = dataclasses.replace(ctx.settings, load=str(tmp_path / "plain"))
+        assert drive(ctx, State(Phase.START), TRANSITIONS).phase is Phase.ACTIVE
+        start = coord.records[0]
+        want = mine if own else theirs
+        assert (start.resume, start.step) == (str(want), 9 if own else 5)
+        assert ctx.world.loaded == [str(want)]
+
+
+def test_load_names_a_directory_without_a_checkpoint_in_one_line(tmp_path: Path) -> None:
+    coord = FakeCoordinator({"w1": member("joining"), "w2": member("joining")})
+    ctx = context("w1", coord, initial=2, tmp=str(tmp_path))
+    ctx.settings = dataclasses.replace(ctx.settings, load=str(tmp_path / "nothing"))
+    with pytest.raises(UsageError, match=r"no checkpoint in .*nothing: neither "
+                                         r"latest_checkpointed_iteration.txt"):
+        drive(ctx, State(Phase.START), TRANSITIONS)
+
+
+def test_a_checkpoint_request_is_a_save_at_the_next_boundary(tmp_path: Path) -> None:
+    """``etcslurm checkpoint``: rank 0 sees the request, the boundary's one all-reduce
+    carries it, every rank begins the periodic save of this step, rank 0 takes it; while
+    the world changes it waits for a later boundary."""
+    coord, gen0 = _running(["w1", "w2"])
+    coord.checkpoint = CheckpointRequest(by="operator", ts=1.0)
+    ctx = _member_of(coord, gen0, "w1", tmp=str(tmp_path))
+    assert steps.vote(ctx, State(Phase.VOTE)) == State(Phase.ACTIVE)
+    periodic = tmp_path / "checkpoint" / "periodic"
+    assert ctx.world.save_votes == [True] and ctx.world.started_saves == [str(periodic)]
+    assert coord.checkpoint is None and ctx.periodic.last_step == 7
+    assert ("checkpoint.saving", {"step": 7, "path": str(periodic / "iter_0000007"),
+                                  "by": "operator"}) in coord.events
+    # another rank saves on the vote alone; a leaving worker: the request waits
+    other = _member_of(coord, gen0, "w2", tmp=str(tmp_path))
+    other.world.vote = lambda *a, **k: (False, 0, True)  # type: ignore[method-assign]
+    assert steps.vote(other, State(Phase.VOTE)) == State(Phase.ACTIVE)
+    assert other.world.started_saves == [str(periodic)]
+    coord.checkpoint = CheckpointRequest(by="operator", ts=2.0)
+    coord.workers["w2"]["state"] = "leaving"
+    again = _member_of(coord, gen0, "w1", tmp=str(tmp_path))
+    assert steps.vote(again, State(Phase.VOTE)).phase is Phase.DECIDE
+    assert again.world.save_votes == [False] and coord.checkpoint is not None
 
 
 def test_no_transition_calls_another_or_loops() -> None:

@@ -367,8 +367,11 @@ def test_whole_run_preempted_checkpoints_requeues_and_resumes(
                                  None), SLURM_TIMER + 300, "the checkpoint generation")
     end = run.wait(lambda: run.of("run.end"), 120, "the checkpoint to be written")[0]["data"]
     assert end["step"] == ckpt["step"] and Path(end["checkpoint"]).is_dir()
-    latest = json.loads((run_dir / "checkpoint" / "latest.json").read_text())
-    assert latest["step"] == ckpt["step"]
+    # Megatron-LM's layout: the tracker names the step, iter_NNNNNNN holds it
+    tracker = run_dir / "checkpoint" / "latest_checkpointed_iteration.txt"
+    assert int(tracker.read_text()) == ckpt["step"]
+    latest = {"path": str(run_dir / "checkpoint" / f"iter_{ckpt['step']:07d}")}
+    assert end["checkpoint"] == latest["path"]
     run.wait(lambda: run.of("job.requeued"), 60, "the job to requeue itself")
     restart = run.wait(lambda: next((g for g in run.generations()
                                      if g["kind"] == "start" and g["generation"] > ckpt["generation"]),

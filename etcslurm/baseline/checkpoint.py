@@ -1,5 +1,5 @@
-"""Checkpoint-based migration with megatron-core ``dist_checkpointing`` (the baseline and
-the fallback).
+"""Checkpoints with megatron-core ``dist_checkpointing``, in Megatron-LM's layout: the
+baseline migration, the fallback, and the way in and out of etcslurm.
 
 Why it is here: P2P migration is only worth something measured against what a
 megatron-core job does today — save a distributed checkpoint and load it resharded into
@@ -15,13 +15,20 @@ the new layout — run with megatron-core's own fastest settings, so the compari
 - the distributed optimizer saved ``fully_reshardable`` (the only sharding type that
   reshards across TP/PP on the torch-Adam fallback).
 
-RNG states are not saved (they depend on the TP rank; the model uses no dropout); the
-other scalars travel in the checkpoint's common part as a JSON string.
+Every save is Megatron-LM's (:mod:`.megatron_lm`): ``SAVE_DIR/iter_NNNNNNN/`` and
+``SAVE_DIR/latest_checkpointed_iteration.txt`` (written by rank 0 once every rank's files
+are complete), the common state Megatron-LM writes (``args`` with the layout and
+``consumed_train_samples``, ``iteration``, ``opt_param_scheduler``, ``rng_state``), so a
+Megatron-LM or plain megatron-core loop loads it in any layout.  A load takes such a
+checkpoint from anyone, in any layout: ``fully_reshardable`` or a plain optimizer through
+``dist_checkpointing``, the distributed optimizer's ``dp_reshardable`` (Megatron-LM's
+default, which ``dist_checkpointing`` reshards only along DP) through
+:mod:`.dp_reshardable`.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import shutil
 import time
@@ -29,12 +36,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from etcslurm.baseline import megatron_lm
 from etcslurm.errors import MigrationError, WaitTimeout
 from etcslurm.megatron.model import Trainee, fix_step_alias, patch_distopt_step_keyerror
-from etcslurm.megatron.scalars import extract_scalars, restore_scalars
 from etcslurm.parent_death import die_with_parent, forked_children_die_with_us
 
+log = logging.getLogger("etcslurm.baseline")
+
 DISTOPT_SHARDING = "fully_reshardable"
+#: the distributed optimizer's formats a save can write (``dp_reshardable``: Megatron-LM's
+#: default, for tests and measurements; a TP/PP change then needs etcslurm to load it)
+DISTOPT_SHARDINGS = ("fully_reshardable", "dp_reshardable")
 
 
 def default_dir(run_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -63,23 +75,49 @@ class LoadReport:
         return asdict(self)
 
 
-def _metadata(trainee: Trainee) -> dict[str, Any]:
-    return {"distrib_optim_sharding_type": DISTOPT_SHARDING} if trainee.distributed else {}
+def content_metadata(trainee: Trainee, sharding: str = DISTOPT_SHARDING) -> dict[str, Any]:
+    """The content metadata Megatron-LM saves with a checkpoint (and passes to every
+    ``sharded_state_dict``): the distributed optimizer's format, no prefix for a chained
+    optimizer of one part."""
+    metadata: dict[str, Any] = {"singleton_local_shards": False,
+                                "chained_optim_avoid_prefix": True}
+    if trainee.distributed:
+        metadata["distrib_optim_sharding_type"] = sharding
+        if sharding == "fully_reshardable":
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    return metadata
 
 
-def sharded_state(trainee: Trainee, is_loading: bool) -> dict[str, Any]:
-    """megatron's sharded state dict of model + optimizer (+ scalars as a JSON string)."""
-    if len(trainee.model) != 1:
-        raise NotImplementedError(
-            "virtual pipeline stages (several model chunks) are not supported"
+def _with_groups(metadata: dict[str, Any]) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    return {**metadata,
+            "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+
+
+def sharded_state(trainee: Trainee, is_loading: bool,
+                  metadata: dict[str, Any] | None = None, optimizer: bool = True,
+                  rng: bool = True) -> dict[str, Any]:
+    """Megatron-LM's state dict of ``trainee``: every model chunk (``model`` or
+    ``model0..N``), the optimizer, and the common state (:mod:`.megatron_lm`)."""
+    metadata = _with_groups(metadata if metadata is not None else content_metadata(trainee))
+    state = megatron_lm.model_state(trainee.modules(), metadata)
+    if optimizer:
+        state["optimizer"] = trainee.optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=metadata)
+    if rng:
+        state["rng_state"] = megatron_lm.rng_sharded_object(
+            None if is_loading else megatron_lm.rng_state())
+    if not is_loading:
+        state.update(
+            args=megatron_lm.args_namespace(trainee),
+            checkpoint_version=megatron_lm.CHECKPOINT_VERSION,
+            iteration=trainee.iteration,
+            opt_param_scheduler=(trainee.scheduler.state_dict()
+                                 if trainee.scheduler is not None else None),
+            num_floating_point_operations_so_far=0,
         )
-    model_sd = trainee.modules()[0].sharded_state_dict()
-    opt_sd = trainee.optimizer.sharded_state_dict(
-        model_sd, is_loading=is_loading, metadata=_metadata(trainee)
-    )
-    scalars = extract_scalars(trainee)
-    scalars.pop("rng")
-    return {"model": model_sd, "optimizer": opt_sd, "scalars": json.dumps(scalars, sort_keys=True)}
+    return state
 
 
 def _persistent_writer_loop(*args: Any, **kwargs: Any) -> None:
@@ -170,14 +208,19 @@ class CheckpointMigrator:
     """Save → load-resharded with ``dist_checkpointing``; one per process, reused, so the
     persistent writer stays warm across saves.  ``close()`` stops the writer."""
 
-    def __init__(self, thread_count: int = 2, async_writer: bool = True) -> None:
+    def __init__(self, thread_count: int = 2, async_writer: bool = True,
+                 sharding: str = DISTOPT_SHARDING) -> None:
         """``async_writer=False`` writes in the calling process (megatron's synchronous
-        path): no writer start-up, used by the small tests; benchmarks keep the default."""
+        path): no writer start-up, used by the small tests; benchmarks keep the default.
+        ``sharding``: the distributed optimizer's format (:data:`DISTOPT_SHARDINGS`)."""
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
+        if sharding not in DISTOPT_SHARDINGS:
+            raise ValueError(f"sharding {sharding!r}: use one of {', '.join(DISTOPT_SHARDINGS)}")
         _route_writer_through_shim()
         self.thread_count = thread_count
         self.async_writer = async_writer
+        self.sharding = sharding
         self._queue = AsyncCallsQueue(persistent=True)
         self._writer_started = False
         self._save_strategies: dict[tuple, Any] = {}
@@ -225,46 +268,63 @@ class CheckpointMigrator:
             time.sleep(0.005)
 
     def save(
-        self, trainee: Trainee, path: str | os.PathLike[str], timeout_s: float = 600.0
+        self, trainee: Trainee, save_dir: str | os.PathLike[str], timeout_s: float = 600.0
     ) -> SaveReport:
-        """Save model, optimizer and scalars to ``path`` (a fresh directory); blocks until
-        every rank's files are written, fsynced and the metadata finalised.  All ranks call."""
+        """Save model, optimizer and common state to ``save_dir/iter_NNNNNNN`` (the
+        trainee's iteration) and point ``save_dir``'s tracker at it; blocks until every
+        rank's files are written, fsynced and the metadata finalised.  All ranks call."""
         import torch.distributed as dist
 
         first = self.async_writer and not self._writer_started
         dist.barrier()
         t0 = time.perf_counter()
-        self._start_save(trainee, Path(path), self.async_writer)
+        target = self._start_save(trainee, Path(save_dir), self.async_writer)
         if self.async_writer:
             self._wait_written(timeout_s)
         dist.barrier()
-        return SaveReport(time.perf_counter() - t0, first, str(path))
+        return SaveReport(time.perf_counter() - t0, first, str(target))
 
-    def save_async(self, trainee: Trainee, path: str | os.PathLike[str]) -> None:
-        """Start a save of ``trainee`` to ``path`` and return once the state is staged
-        (copied for the writer), so training goes on while the persistent writer writes;
-        :meth:`poll` tells when it is complete.  All ranks call."""
-        self._start_save(trainee, Path(path), True)
+    def save_async(self, trainee: Trainee, save_dir: str | os.PathLike[str]) -> Path:
+        """Start a save of ``trainee`` into ``save_dir`` (as :meth:`save`) and return its
+        checkpoint directory once the state is staged (copied for the writer), so training
+        goes on while the persistent writer writes; :meth:`poll` tells when it is complete
+        (the tracker then names it).  All ranks call."""
+        return self._start_save(trainee, Path(save_dir), True)
 
-    def _start_save(self, trainee: Trainee, path: Path, asynchronous: bool) -> None:
-        """A fresh ``path`` (rank 0), then megatron's save; an asynchronous one is handed
-        to the persistent writer."""
+    def _start_save(self, trainee: Trainee, save_dir: Path, asynchronous: bool) -> Path:
+        """A fresh ``iter_NNNNNNN`` (rank 0), then megatron's save; an asynchronous one is
+        handed to the persistent writer.  Rank 0 moves the tracker once it is complete."""
         import torch.distributed as dist
         from megatron.core import dist_checkpointing
 
         _results_queue_dying_with_us()  # where megatron would create it: inside the save
-        if dist.get_rank() == 0:
-            if path.exists():
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
+        target = megatron_lm.iteration_dir(save_dir, trainee.iteration)
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            if target.exists():
+                shutil.rmtree(target)
+            target.mkdir(parents=True)
         dist.barrier()
+        metadata = content_metadata(trainee, self.sharding)
         request = dist_checkpointing.save(
-            sharded_state(trainee, is_loading=False), str(path),
+            sharded_state(trainee, is_loading=False, metadata=metadata), str(target),
             sharded_strategy=self._save_strategy(trainee), async_sharded_save=asynchronous,
+            content_metadata=metadata,
         )
+        iteration = trainee.iteration
+
+        def point_tracker() -> None:
+            if rank0:
+                megatron_lm.write_tracker(save_dir, iteration)
+
         if asynchronous:
+            request.add_finalize_fn(point_tracker)
             self._queue.schedule_async_request(request)
             self._writer_started = True
+        else:
+            dist.barrier()  # every rank's files are complete
+            point_tracker()
+        return target
 
     def poll(self, blocking: bool = False) -> bool:
         """Finalise what the writer has finished (``blocking``: wait for all of it);
@@ -287,10 +347,14 @@ class CheckpointMigrator:
 
     # ------------------------------------------------------------------ load
     def load(self, trainee: Trainee, path: str | os.PathLike[str]) -> LoadReport:
-        """Load ``path`` resharded into ``trainee`` (freshly built for the new layout):
-        model, optimizer (Adam ``step`` one tensor per param) and scalars.  All ranks call."""
+        """Load the checkpoint at ``path`` (a save directory: its tracker's iteration; or
+        one checkpoint directory) resharded into ``trainee``, freshly built in any layout:
+        model chunks, optimizer (Adam ``step`` one tensor per param), scheduler,
+        iteration, consumed samples, and the RNG states when TP and PP are the saved
+        ones (as Megatron-LM).  All ranks call."""
         import torch.distributed as dist
         from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.dist_checkpointing import serialization
         from megatron.core.dist_checkpointing.serialization import (
             get_default_load_sharded_strategy,
         )
@@ -298,25 +362,63 @@ class CheckpointMigrator:
             FullyParallelLoadStrategyWrapper,
         )
 
+        target, _ = megatron_lm.resolve(path)
         if trainee.distributed:
             patch_distopt_step_keyerror()
         dist.barrier()
         t0 = time.perf_counter()
+        common = dist_checkpointing.load_common_state_dict(str(target))
+        metadata = dict(dist_checkpointing.load_content_metadata(str(target)) or {})
+        saved = megatron_lm.saved_layout(common)
+        found = serialization.load_sharded_metadata(str(target))
+        sharding = metadata.get("distrib_optim_sharding_type")
+        with_optimizer = any(k.startswith("optimizer.") for k in found)
+        by_buckets = with_optimizer and sharding == "dp_reshardable"
+        cfg = trainee.config
+        same_mp = saved is not None and (saved.tp, saved.pp) == (cfg.tp, cfg.pp)
+        request = sharded_state(
+            trainee, is_loading=True,
+            metadata={**content_metadata(trainee), **metadata},
+            optimizer=with_optimizer and not by_buckets,
+            rng=same_mp and "rng_state" in found)
         strategy = FullyParallelLoadStrategyWrapper(
-            get_default_load_sharded_strategy(str(path)),
+            get_default_load_sharded_strategy(str(target)),
             parallel_state.get_data_parallel_group(with_context_parallel=True),
         )
-        loaded = dist_checkpointing.load(
-            sharded_state(trainee, is_loading=True), str(path), sharded_strategy=strategy
-        )
-        trainee.modules()[0].load_state_dict(loaded["model"])
-        trainee.optimizer.load_state_dict(loaded["optimizer"])
-        fix_step_alias(trainee.optimizer)
-        restore_scalars(trainee, json.loads(loaded["scalars"]))
+        loaded = dist_checkpointing.load(request, str(target), sharded_strategy=strategy)
+        megatron_lm.load_model_state(trainee.modules(), loaded)
+        if by_buckets:
+            self._load_by_buckets(trainee, target, saved, found)
+        elif with_optimizer:
+            trainee.optimizer.load_state_dict(loaded["optimizer"])
+            fix_step_alias(trainee.optimizer)
+        else:
+            log.warning("%s holds no optimizer state: the optimizer starts afresh", target)
+        _restore_common(trainee, loaded)
         for chunk in trainee.model:
             chunk.zero_grad_buffer()
         dist.barrier()
-        return LoadReport(time.perf_counter() - t0, str(path))
+        return LoadReport(time.perf_counter() - t0, str(target))
+
+    @staticmethod
+    def _load_by_buckets(trainee: Trainee, target: Path, saved: Any, found: dict) -> None:
+        """The ``dp_reshardable`` optimizer state, decoded by etcslurm for any layout."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        from etcslurm.baseline import dp_reshardable
+        from etcslurm.errors import UsageError
+
+        if saved is None:
+            raise UsageError(f"{target}: a dp_reshardable optimizer state without the saved "
+                             "layout (the checkpoint has no args)")
+        tensors = {k: v for k, v in found.items() if isinstance(v, ShardedTensor)}
+        dp_reshardable.load_optimizer_state(
+            trainee, target, saved, {k: tuple(v.global_shape) for k, v in tensors.items()},
+            {k: v.dtype for k, v in tensors.items()})
+        step, groups = dp_reshardable.saved_step(target)
+        if step is None:
+            raise UsageError(f"{target}: the optimizer's param groups carry no single step")
+        _set_adam_step(trainee, step, groups)
 
     def close(self) -> None:
         """Stop the persistent writer (waits for pending saves).  Call while the process
@@ -335,6 +437,38 @@ def _world_marker() -> Any:
     return dist.group.WORLD
 
 
+def _set_adam_step(trainee: Trainee, step: float, groups: list[dict[str, Any]]) -> None:
+    """Adam's ``step``: one tensor per param state (torch Adam), and per param group where
+    the saved groups have it (Transformer Engine's and Apex's Adam)."""
+    import torch
+
+    for mopt in trainee.inner_optimizers():
+        for state in mopt.optimizer.state.values():
+            if "exp_avg" in state:
+                state["step"] = torch.tensor(step, dtype=torch.float32)
+        target = mopt.optimizer.param_groups
+        if len(groups) == len(target):
+            for group, old in zip(target, groups, strict=True):
+                if "step" in old and "step" in group:
+                    group["step"] = old["step"]
+
+
+def _restore_common(trainee: Trainee, loaded: dict[str, Any]) -> None:
+    """Iteration, data position, scheduler and (when loaded) RNG from the common state;
+    the seed too (etcslurm's data order is a function of seed and sample)."""
+    trainee.iteration = int(loaded.get("iteration") or 0)
+    trainee.consumed_samples = megatron_lm.consumed_samples(loaded)
+    seed = getattr(loaded.get("args"), "seed", None)
+    if seed is not None:
+        trainee.seed = int(seed)
+    scheduler = loaded.get("opt_param_scheduler")
+    if trainee.scheduler is not None and scheduler is not None:
+        trainee.scheduler.num_steps = 0  # load_state_dict steps forward by num_steps
+        trainee.scheduler.load_state_dict(dict(scheduler))
+    if loaded.get("rng_state") is not None:
+        megatron_lm.set_rng_state(loaded["rng_state"])
+
+
 _DEFAULT: CheckpointMigrator | None = None
 
 
@@ -345,13 +479,13 @@ def _default() -> CheckpointMigrator:
     return _DEFAULT
 
 
-def save_checkpoint(trainee: Trainee, path: str | os.PathLike[str]) -> SaveReport:
-    """Fallback API for the runtime: save everything to ``path`` (all ranks call)."""
-    return _default().save(trainee, path)
+def save_checkpoint(trainee: Trainee, save_dir: str | os.PathLike[str]) -> SaveReport:
+    """Fallback API for the runtime: save everything into ``save_dir`` (all ranks call)."""
+    return _default().save(trainee, save_dir)
 
 
 def load_checkpoint(trainee: Trainee, path: str | os.PathLike[str]) -> LoadReport:
-    """Fallback API for the runtime: restore model, optimizer and scalars from ``path``
+    """Fallback API for the runtime: restore everything from the checkpoint at ``path``
     into a freshly built trainee of any layout (all ranks call)."""
     return _default().load(trainee, path)
 

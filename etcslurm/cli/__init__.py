@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "grow",
     "autogrow",
     "resize",
+    "checkpoint",
     "coordinator",
 )
 

@@ -1,4 +1,5 @@
-"""The change queue: requests for the next step boundary.
+"""The change queue: requests for the next step boundary (changes of the world, and a
+checkpoint now).
 
 An operator (``etcslurm resize``) or a leaving worker (draining itself) queues a
 :class:`~etcslurm.coord.records.ChangeRequest`; the leader reads the queue at its next
@@ -10,7 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from etcslurm.coord.events import EventLog
-from etcslurm.coord.records import ChangeRequest, ChangeRequested
+from etcslurm.coord.records import (
+    ChangeRequest,
+    ChangeRequested,
+    CheckpointRequest,
+    CheckpointRequested,
+)
 from etcslurm.coord.run import RunHandle
 from etcslurm.coord.schema import loads
 from etcslurm.errors import RecordError, UsageError
@@ -66,3 +72,32 @@ class ChangeQueue:
         if count > 0:
             key = self.run.keys.changes
             self.run.client.call("take changes", lambda r: r.ltrim(key, count, -1))
+
+    # ------------------------------------------------------------------ checkpoint requests
+    def request_checkpoint(self, request: CheckpointRequest) -> None:
+        """Ask for a checkpoint at the next step boundary (``etcslurm checkpoint``); emits
+        ``checkpoint.requested``.  Requests made before one is taken are one request."""
+        if not isinstance(request, CheckpointRequest):
+            raise UsageError("request_checkpoint needs a CheckpointRequest, got "
+                             f"{type(request).__name__}")
+        key = self.run.keys.checkpoint
+        raw = self.run.dumps(request.to_json(), key)
+        self.run.decided("request checkpoint", lambda r: r.set(key, raw))
+        self.events.emit("checkpoint.requested", **CheckpointRequested.of(request).to_json())
+
+    def checkpoint_request(self, deadline: float | None = None) -> CheckpointRequest | None:
+        """The checkpoint request not yet taken, if any (``deadline``: as for
+        :meth:`pending`)."""
+        key = self.run.keys.checkpoint
+        raw = self.run.client.call("read checkpoint request", lambda r: r.get(key), deadline)
+        if raw is None:
+            return None
+        try:
+            return CheckpointRequest.from_json(loads(raw, key, self.run.max_value_bytes))
+        except RecordError as exc:
+            raise RecordError(f"coordinator entry {key}: {exc}") from None
+
+    def take_checkpoint_request(self) -> None:
+        """Drop the checkpoint request (the step boundary began its save)."""
+        key = self.run.keys.checkpoint
+        self.run.client.call("take checkpoint request", lambda r: r.delete(key))

@@ -62,7 +62,7 @@ from etcslurm.coord.membership import (
     Membership,
     SpecMismatch,
 )
-from etcslurm.coord.records import ChangeRequest, GenerationRecord
+from etcslurm.coord.records import ChangeRequest, CheckpointRequest, GenerationRecord
 from etcslurm.coord.run import RunHandle
 from etcslurm.coord.schema import Keys
 from etcslurm.errors import CoordinatorError, UsageError
@@ -258,6 +258,15 @@ class Coordinator:
 
     def take_changes(self, count: int) -> None:
         self.changes.take(count)
+
+    def request_checkpoint(self, request: CheckpointRequest) -> None:
+        self.changes.request_checkpoint(request)
+
+    def checkpoint_request(self, deadline: float | None = None) -> CheckpointRequest | None:
+        return self.changes.checkpoint_request(deadline)
+
+    def take_checkpoint_request(self) -> None:
+        self.changes.take_checkpoint_request()
 
     def emit(self, type: str, *, at_ts: float | None = None, retry_s: float | None = None,
              **data: Any) -> str:

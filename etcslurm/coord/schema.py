@@ -55,6 +55,7 @@ class Keys:
         self.committed = p + "committed"  # number of the last generation every member entered
         self.events = p + "events"  # stream: type, ts, data (JSON), worker
         self.changes = p + "changes"  # list of JSON change requests (coord/records/change.py)
+        self.checkpoint = p + "checkpoint"  # a JSON checkpoint request, until taken
         self.stores = p + "stores"  # set of store generations used (for end_run)
         self.ended = p + "ended"  # tombstone (with TTL) written by end_run
         # hash worker id -> the failed generation after which it stands by on its old state
@@ -73,8 +74,9 @@ class Keys:
 
     def fixed(self) -> list[str]:
         """The keys whose names do not depend on workers or generations."""
-        return [self.spec, self.shapes, self.workers, self.worker_seq, self.gen, self.gen_no, self.news,
-                self.committed, self.events, self.changes, self.stores, self.holding]
+        return [self.spec, self.shapes, self.workers, self.worker_seq, self.gen, self.gen_no,
+                self.news, self.committed, self.events, self.changes, self.checkpoint,
+                self.stores, self.holding]
 
 
 def dumps(value: Any, what: str, max_bytes: int = MAX_VALUE_BYTES) -> bytes:

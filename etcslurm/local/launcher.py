@@ -63,6 +63,8 @@ class DemoOptions:
     min_step_seconds: float = 0.0  # pace the steps so joiners arrive in time
     checkpoint_every: int = 0  # periodic checkpoints (a lost piece rolls back to the last)
     tensorboard_dir: str | None = None  # the run's TensorBoard scalars (rank 0 writes)
+    first_layout: str | None = None  # generation 0's layout (default: the policy's)
+    load: str | None = None  # a Megatron-LM checkpoint to start from (RunSettings.load)
     #: the worker program: fault tests use ``etcslurm.testing.worker`` with its arguments
     worker_module: str = "etcslurm.runtime.worker"
     worker_args: tuple[str, ...] = ()
@@ -141,12 +143,14 @@ class LocalRun:
         self.procs: list[WorkerProc] = []
         self.by_worker: dict[str, WorkerProc] = {}
         staging = {"staging_bytes": int(opts.staging_mb * 2**20)} if opts.staging_mb else {}
+        # a run of the workers' own model: its optimizer is read from it, as its shapes are
+        optimizer = {"optimizer": opts.optimizer} if spec is not None else {}
         self.settings = RunSettings(
-            model=spec, optimizer=opts.optimizer, global_batch=opts.global_batch,
+            model=spec, **optimizer, global_batch=opts.global_batch,
             micro_batch=opts.micro_batch, seed=opts.seed, steps=opts.steps,
             initial_workers=initial, gpus_per_node=opts.gpus_per_node,
             checkpoint_every=opts.checkpoint_every, tensorboard_dir=opts.tensorboard_dir,
-            **staging,
+            first_layout=opts.first_layout, load=opts.load, **staging,
         )
         self.coord = Coordinator(connect(url, password_file), run_id)
         self.coord.ensure_spec(self.settings.to_json())

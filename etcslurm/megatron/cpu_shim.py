@@ -19,6 +19,10 @@ Two pieces:
    report ``torch.cuda.*`` (the optimizers branch on it).  A torch function mode is per
    thread: call :func:`install_if_needed` in the main thread of every worker before any
    megatron code runs.  Worker threads that run megatron code need :func:`thread_mode`.
+
+Also, since a CPU machine has neither Apex nor Transformer Engine: the three fixes the
+distributed optimizer needs to load checkpoints with torch's Adam
+(:func:`_torch_adam_fallback`).
 """
 
 from __future__ import annotations
@@ -175,6 +179,7 @@ def install() -> list[str]:
     PATCHED.append("megatron.core.tensor_parallel.random._get/_set_cuda_rng_state")
 
     _redirect_in_backward()
+    _torch_adam_fallback()
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
     PATCHED.append("TorchFunctionMode cuda->cpu (main thread)")
@@ -207,6 +212,65 @@ def _redirect_in_backward() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
         PATCHED.append("megatron.core.transformer.moe.moe_utils.te_general_gemm = None")
+
+
+def _torch_adam_fallback() -> None:
+    """Make megatron's DistributedOptimizer load checkpoints with torch's Adam (no Apex or
+    Transformer Engine, so on every CPU machine), as a plain megatron-core loop needs:
+
+    - a fresh optimizer has no state, and its ``state_dict()`` (called to build the
+      loading state dict) asserts one ``step``: states are created first (zeros, ``step``
+      0 per param, no optimizer step taken);
+    - loading ``fully_reshardable`` state raises ``KeyError: 'step'`` (the live state has a
+      ``step`` the loaded one lacks): keys missing from the loaded state keep their value;
+    - ``load_state_dict`` gives every param ONE shared ``step`` tensor, which Adam then
+      increments once per param per step, and a ``dp_reshardable`` load then copies the
+      step of the request (the fresh optimizer's) back over it: each param gets its own,
+      of the saved param groups' step.
+    """
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    cls = dopt.DistributedOptimizer
+    if dopt.HAVE_APEX_OR_TE or getattr(cls, "_etcslurm_fallback", False):
+        return
+    sharded_state_dict, load_state_dict = cls.sharded_state_dict, cls.load_state_dict
+    set_states = cls._set_main_param_and_optimizer_states
+
+    def with_states(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inner = self.optimizer
+        if not inner.state:
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p].update(exp_avg=torch.zeros_like(p),
+                                          exp_avg_sq=torch.zeros_like(p),
+                                          step=torch.zeros((), dtype=torch.float32))
+        return sharded_state_dict(self, *args, **kwargs)
+
+    def keep_missing(self: Any, model_param: Any, tensors: dict) -> Any:
+        gi, go = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[gi]["params"][go]
+        merged = dict(tensors)
+        for key, value in self.optimizer.state.get(main_param, {}).items():
+            if key not in merged and torch.is_tensor(value):
+                merged[key] = value.clone()
+        return set_states(self, model_param, merged)
+
+    def own_steps(self: Any, state_dict: Any) -> Any:
+        groups = (state_dict.get("optimizer") or {}).get("param_groups") or []
+        steps = {float(g["step"]) for g in groups if "step" in g}
+        out = load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if len(steps) == 1:  # the dp_reshardable load copied a stale step back
+                state["step"] = torch.tensor(next(iter(steps)), dtype=torch.float32)
+            elif torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+        return out
+
+    cls.sharded_state_dict = with_states
+    cls._set_main_param_and_optimizer_states = keep_missing
+    cls.load_state_dict = own_steps
+    cls._etcslurm_fallback = True
+    PATCHED.append("megatron DistributedOptimizer: torch-Adam fallback load fixes")
 
 
 def install_if_needed() -> bool:

@@ -1,23 +1,31 @@
-"""The whole-run checkpoint: where it goes, its pointer, and the requeue that resumes it.
+"""The run's checkpoints: where they go, their pointers, and the requeue that resumes one.
+
+Every checkpoint is Megatron-LM's (:mod:`etcslurm.baseline.megatron_lm`): a save directory
+with ``iter_NNNNNNN/`` and ``latest_checkpointed_iteration.txt``, so a plain megatron-core
+or Megatron-LM loop loads it (``--load DIR``) in any layout.
 
 When every worker of a run leaves at once (the whole run preempted), the ``checkpoint``
-generation makes every rank save its state with megatron-core ``dist_checkpointing``;
-rank 0 then writes ``latest.json`` and, under Slurm, the first task of each job requeues
-its own job.  The restarted workers find the ``checkpoint`` record and resume from the
-pointer at the same step.
+generation makes every rank save its state into the checkpoint directory; rank 0 moves its
+tracker once every rank's files are complete and, under Slurm, the first task of each job
+requeues its own job.  The restarted workers find the ``checkpoint`` record and resume
+from the tracker's iteration at the same step.  Periodic checkpoints (and those asked for
+with ``etcslurm checkpoint``) go to its ``periodic/`` directory.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from etcslurm.errors import EtcslurmError, StateLostError, UsageError
+from etcslurm.baseline import megatron_lm
+from etcslurm.errors import EtcslurmError, UsageError
 from etcslurm.runtime.config import WorkerOptions
 
 log = logging.getLogger("etcslurm.runtime")
+
+#: ``SAVE_DIR/iter_NNNNNNN``: where the save of a step goes
+iteration_dir = megatron_lm.iteration_dir
 
 
 def directory(options: WorkerOptions) -> Path:
@@ -30,21 +38,27 @@ def directory(options: WorkerOptions) -> Path:
     return path
 
 
-def write_pointer(where: Path, target: Path, step: int, layout: str | None) -> None:
-    (where / "latest.json").write_text(json.dumps(
-        {"path": str(target), "step": step, "layout": layout}))
+def _pointer(save_dir: Path) -> dict[str, Any] | None:
+    """``{path, step}`` of the checkpoint ``save_dir``'s tracker names, if any (an
+    unreadable tracker: :class:`StateLostError`)."""
+    iteration = megatron_lm.read_tracker(save_dir)
+    if iteration is None:
+        return None
+    return {"path": str(megatron_lm.iteration_dir(save_dir, iteration)), "step": iteration}
 
 
 def pointer(options: WorkerOptions) -> dict[str, Any] | None:
-    """The pointer :func:`write_pointer` wrote (path, step, layout), if any."""
-    latest = directory(options) / "latest.json"
-    if not latest.exists():
-        return None
-    try:
-        found = json.loads(latest.read_text())
-        return {**found, "path": str(found["path"])}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise StateLostError(f"cannot read checkpoint pointer {latest}: {exc}") from None
+    """The run's whole-run checkpoint (path, step), if it has one."""
+    return _pointer(directory(options))
+
+
+def load_pointer(load: str) -> dict[str, Any]:
+    """The checkpoint ``RunSettings.load`` names (path, step): a save directory's latest,
+    or one checkpoint directory (its step from the checkpoint's ``iteration``)."""
+    path, iteration = megatron_lm.resolve(load)
+    if iteration is None:
+        iteration = megatron_lm.saved_iteration(path)
+    return {"path": str(path), "step": iteration}
 
 
 def requeue_own_job(coord: Any, worker: str) -> None:
@@ -74,23 +88,20 @@ def periodic_directory(options: WorkerOptions) -> Path:
 
 
 def periodic_pointer(options: WorkerOptions) -> dict[str, Any] | None:
-    """The latest COMPLETE periodic checkpoint (path, step, layout), if any: what a run
-    rolls back to when a death leaves state with no holder."""
-    latest = periodic_directory(options) / "latest.json"
-    if not latest.exists():
-        return None
+    """The latest COMPLETE periodic checkpoint (path, step), if any: what a run rolls
+    back to when a death leaves state with no holder."""
     try:
-        found = json.loads(latest.read_text())
-        return {**found, "path": str(found["path"]), "step": int(found["step"])}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.error("periodic checkpoint pointer %s unreadable: %s", latest, exc)
+        return _pointer(periodic_directory(options))
+    except EtcslurmError as exc:
+        log.error("periodic checkpoint pointer unreadable: %s", exc)
         return None
 
 
 class Periodic:
-    """Checkpoints every ``every`` steps, written by megatron-core's persistent async
-    writer while training goes on; a save counts only once every rank finalised it (rank
-    0 then moves ``periodic/latest.json`` to it and drops all but the last ``keep``).
+    """Checkpoints every ``every`` steps (and when asked: :meth:`begin` at any step),
+    written by megatron-core's persistent async writer while training goes on; a save
+    counts only once every rank finalised it (rank 0's writer then moves ``periodic/``'s
+    tracker to it; rank 0 drops all but the last ``keep``).
 
     ``poll`` is a collective while a save is pending: every world member calls it at
     every step boundary (they do, in lockstep).  A change of world first waits for a
@@ -102,6 +113,7 @@ class Periodic:
         self.every = every
         self.keep = max(1, keep)
         self.pending: dict[str, Any] | None = None
+        self.last_step: int | None = None  # the step of the last save begun
         self.saves: list[float] = []  # seconds each save held the training loop
 
     def due(self, step: int) -> bool:
@@ -113,10 +125,13 @@ class Periodic:
 
         self.finish(world, rank)
         t0 = time.perf_counter()
-        target = periodic_directory(self.options) / f"step{step:08d}"
-        world.save_async(trainee, target)
+        where = periodic_directory(self.options)
+        where.mkdir(parents=True, exist_ok=True)
+        world.save_async(trainee, where)
         self.saves.append(time.perf_counter() - t0)
-        self.pending = {"path": str(target), "step": step, "layout": layout}
+        self.pending = {"path": str(megatron_lm.iteration_dir(where, step)), "step": step,
+                        "layout": layout}
+        self.last_step = step
 
     def poll(self, world: Any, rank: int, blocking: bool = False) -> None:
         if self.pending is not None and world.checkpoint_poll(blocking):
@@ -134,17 +149,14 @@ class Periodic:
         self.pending = None
 
     def _complete(self, rank: int) -> None:
+        """The pending save is complete (its tracker moved): rank 0 drops the oldest."""
         assert self.pending is not None
         done, self.pending = self.pending, None
         if rank != 0:
             return
-        where = periodic_directory(self.options)
-        tmp = where / "latest.json.tmp"
-        tmp.write_text(json.dumps(done))
-        tmp.replace(where / "latest.json")  # atomic: a reader sees the old or the new one
-        steps = sorted(p for p in where.glob("step*") if p.is_dir())
         import shutil
 
-        for old in steps[: max(0, len(steps) - self.keep)]:
+        saved = megatron_lm.saved_iterations(periodic_directory(self.options))
+        for old in saved[: max(0, len(saved) - self.keep)]:
             if str(old) != done["path"]:
                 shutil.rmtree(old, ignore_errors=True)

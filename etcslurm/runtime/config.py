@@ -65,6 +65,11 @@ class RunSettings:
     #: TensorBoard scalars of the run, written by its rank 0 (None: none; the
     #: ``tensorboard`` extra)
     tensorboard_dir: str | None = None
+    #: a megatron-core / Megatron-LM checkpoint to start from (a save directory with
+    #: ``latest_checkpointed_iteration.txt``, or one ``iter_NNNNNNN``), saved in any
+    #: layout, the distributed optimizer's ``dp_reshardable`` format included; a run that
+    #: has a checkpoint of its own (a requeued one) resumes that instead
+    load: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layouts", tuple(str(x) for x in self.layouts))
@@ -76,6 +81,8 @@ class RunSettings:
                     gpus_per_node=self.gpus_per_node, device_memory_bytes=self.gpu_memory_bytes,
                     memory_margin=self.memory_margin, allowed=allowed,
                     min_world=self.min_world, max_world=self.max_world)
+        if self.load is not None:
+            object.__setattr__(self, "load", str(self.load))
         if self.first_layout is not None:
             first = ParallelConfig.parse(self.first_layout)
             object.__setattr__(self, "first_layout", str(first))
@@ -108,6 +115,7 @@ class RunSettings:
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "memory_margin": self.memory_margin,
             "tensorboard_dir": self.tensorboard_dir,
+            "load": self.load,
         }
 
     @classmethod
@@ -135,6 +143,7 @@ class RunSettings:
                 gpu_memory_bytes=_optional_int(spec.get("gpu_memory_bytes")),
                 memory_margin=float(spec.get("memory_margin", DEFAULT_MARGIN)),
                 tensorboard_dir=spec.get("tensorboard_dir"),
+                load=None if spec.get("load") is None else str(spec["load"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"the run spec in the coordinator is malformed: {exc!r}") from None

@@ -2,16 +2,19 @@
 
 After every training step the session enters ``BOUNDARY``: the step's progress is
 reported, a periodic checkpoint is polled or started, and the run either ends
-(``FINISH``) or votes (``VOTE``: one all-reduce) on whether the world changes now.  A
-change goes to ``DECIDE``; no change back to ``ACTIVE``, the training loop's next step.
+(``FINISH``) or votes (``VOTE``: one all-reduce) on whether the world changes now, and
+whether to save a checkpoint now (``etcslurm checkpoint``).  A change goes to ``DECIDE``;
+no change back to ``ACTIVE``, the training loop's next step.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from etcslurm.errors import EtcslurmError
+from etcslurm.runtime import checkpointing
 from etcslurm.runtime.generation import end_generation, worth_changing
 from etcslurm.runtime.machine import Context, Phase, State
 from etcslurm.runtime.transitions import layout_settings
@@ -45,20 +48,27 @@ def boundary(ctx: Context, state: State) -> State:
 
 
 def vote(ctx: Context, state: State) -> State:
-    """All ranks agree (one all-reduce) whether to change the world now, and on the rank
-    that decides (the lowest one not leaving)."""
+    """All ranks agree (one all-reduce) whether to change the world now, on the rank that
+    decides (the lowest one not leaving), and whether to save a checkpoint now (rank 0
+    saw a request; a change of world first, the request stays for a later boundary)."""
     del state
     assert ctx.record is not None
     boundary = ctx.boundary
     boundary.announce_leaving(ctx.worker_id)
-    flag = boundary.announced
+    flag, request = boundary.announced, None
     if ctx.rank == 0 and not flag and boundary.reachable() and boundary.poll_due():
         try:
             flag = _leader_sees_change(ctx)
+            if not flag:
+                request = ctx.coord.checkpoint_request(deadline=0)
         except EtcslurmError as exc:
             boundary.failed(exc)
-    change, decider = ctx.world.vote(flag, ctx.rank or 0, candidate=not boundary.announced)
+    change, decider, save = ctx.world.vote(flag, ctx.rank or 0,
+                                           candidate=not boundary.announced,
+                                           save=request is not None)
     if not change:
+        if save:
+            _save_now(ctx, request)
         return State(Phase.ACTIVE)
     if ctx.periodic is not None:  # the save belongs to this world: finish it first
         ctx.periodic.finish(ctx.world, ctx.rank)
@@ -87,6 +97,25 @@ def _leader_sees_change(ctx: Context) -> bool:
     request = ctx.boundary.pending_request(settings, ctx.record, view, deadline=0)
     return worth_changing(settings, ctx.record, leaving=view.leaving, dead=[],
                           ready=view.ready, request=request)
+
+
+def _save_now(ctx: Context, request: Any) -> None:
+    """A checkpoint asked for (``etcslurm checkpoint``): the periodic save, at this step
+    (none twice at one step); rank 0 takes the request."""
+    assert ctx.record is not None
+    if ctx.periodic is None:  # a run without periodic saves keeps them in the same place
+        ctx.periodic = checkpointing.Periodic(ctx.options, 0, ctx.settings.checkpoint_keep)
+    periodic, step = ctx.periodic, ctx.step
+    if periodic.last_step != step:
+        periodic.begin(ctx.world, ctx.trainee, step, ctx.record.to_layout, ctx.rank)
+    if ctx.rank == 0:
+        path = checkpointing.iteration_dir(checkpointing.periodic_directory(ctx.options), step)
+        log.info("checkpoint of step %s asked for by %s: %s", step, request.by, path)
+        try:
+            ctx.coord.take_checkpoint_request()
+            ctx.coord.emit("checkpoint.saving", step=step, path=str(path), by=request.by)
+        except EtcslurmError as exc:  # asked again at a later boundary: saved again
+            ctx.boundary.failed(exc)
 
 
 def _log_data(ctx: Context, step: int, loss: float) -> None:

@@ -108,7 +108,10 @@ def _publish_first(ctx: Context, base: int, live: dict[str, Any], w: Waiting) ->
         coord.emit("run.standby", devices=len(workers), reason=str(exc))
         log.warning("standby: %s", exc)
         return replace(w, standby=(len(workers), str(exc)))
+    # the run's own whole-run checkpoint (a requeued run), else the one it starts from
     resume = checkpointing.pointer(ctx.options)
+    if resume is None and ctx.settings.load:
+        resume = checkpointing.load_pointer(ctx.settings.load)
     if resume:
         record = replace_record(record, resume=resume["path"], step=int(resume.get("step", 0)),
                          reason=f"resume from {resume['path']}; {record.reason}")
@@ -318,15 +321,14 @@ def checkpoint(ctx: Context, state: State) -> State:
     record = state.record
     assert record is not None
     directory = checkpointing.directory(ctx.options)
-    target = directory / f"step{record.step:08d}"
-    ctx.world.save_checkpoint(ctx.trainee, target)
+    # the save moves the directory's tracker once every rank's files are complete
+    ctx.world.save_checkpoint(ctx.trainee, directory)
     ctx.world.barrier()
     if ctx.rank == 0:
-        checkpointing.write_pointer(directory, target, record.step, record.from_layout)
         why = "standby" if f"; {STANDBY}: " in record.reason else "preempted"
         ctx.coord.emit("run.end", reason=f"{why}: checkpoint written", step=record.step,
-                       checkpoint=str(target))
-    ctx.world.barrier()  # latest.json exists before any job is requeued (which ends it)
+                       checkpoint=str(checkpointing.iteration_dir(directory, ctx.step)))
+    ctx.world.barrier()  # the tracker exists before any job is requeued (which ends it)
     checkpointing.requeue_own_job(ctx.coord, ctx.worker_id)
     return State(Phase.LEFT, reason="checkpointed")
 

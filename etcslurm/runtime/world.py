@@ -184,15 +184,17 @@ class World:
         holds the old world's groups, whose destructors take ~14 ms each with gloo)."""
         groups.retire(trainee)
 
-    def vote(self, change: bool, rank: int, candidate: bool) -> tuple[bool, int | None]:
-        """The step boundary's one all-reduce: whether any rank wants a change, and the
+    def vote(self, change: bool, rank: int, candidate: bool,
+             save: bool = False) -> tuple[bool, int | None, bool]:
+        """The step boundary's one all-reduce: whether any rank wants a change, the
         lowest rank that stays (``candidate``: not leaving) -- the decider, known to
-        every rank without asking the coordinator."""
-        t = torch.tensor([1 if change else 0, -rank if candidate else -(1 << 62)],
-                         dtype=torch.int64)
+        every rank without asking the coordinator -- and whether any rank wants a
+        checkpoint saved now."""
+        t = torch.tensor([1 if change else 0, -rank if candidate else -(1 << 62),
+                          1 if save else 0], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         lowest = -int(t[1].item())
-        return bool(t[0].item()), (lowest if lowest < (1 << 62) else None)
+        return bool(t[0].item()), (lowest if lowest < (1 << 62) else None), bool(t[2].item())
 
     def barrier(self) -> None:
         dist.barrier()
@@ -261,20 +263,22 @@ class World:
         return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, trainee: Any, path: Path) -> None:
-        """One synchronous save under a preemption deadline (an async writer would first
-        start a writer process, seconds on a busy node)."""
+    def save_checkpoint(self, trainee: Any, save_dir: Path) -> None:
+        """One synchronous save into ``save_dir`` (Megatron-LM's layout) under a preemption
+        deadline (an async writer would first start a writer process, seconds on a busy
+        node)."""
         from etcslurm.baseline.checkpoint import CheckpointMigrator
 
-        CheckpointMigrator(async_writer=False).save(trainee, path)
+        CheckpointMigrator(async_writer=False).save(trainee, save_dir)
 
-    def save_async(self, trainee: Any, path: Path) -> None:
-        """Start a periodic checkpoint (megatron-core's persistent async writer)."""
+    def save_async(self, trainee: Any, save_dir: Path) -> None:
+        """Start a periodic checkpoint into ``save_dir`` (megatron-core's persistent async
+        writer; the tracker moves once it is complete)."""
         if self._periodic is None:
             from etcslurm.baseline.checkpoint import CheckpointMigrator
 
             self._periodic = CheckpointMigrator(async_writer=True)
-        self._periodic.save_async(trainee, path)
+        self._periodic.save_async(trainee, save_dir)
 
     def checkpoint_poll(self, blocking: bool) -> bool:
         """Whether the pending periodic checkpoint is complete (a collective)."""
@@ -294,6 +298,7 @@ class World:
         self.abandon_checkpoint()
 
     def load_checkpoint(self, trainee: Any, path: str) -> None:
+        """Load a Megatron-LM / megatron-core checkpoint of any layout into ``trainee``."""
         from etcslurm.baseline.checkpoint import load_checkpoint
 
         load_checkpoint(trainee, path)

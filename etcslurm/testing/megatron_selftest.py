@@ -6,10 +6,11 @@ read the JSON rank 0 writes; the same scenarios measure build and checkpoint tim
 ~100M-parameter GPT.
 
 Scenarios:
-- ``migrate``: build ``--from``, train, gather the global state, checkpoint-save; for each
-  ``--to`` layout rebuild the world in the same processes, load resharded into a fresh
-  model+optimizer, gather again and compare bit for bit, train on; then a never-migrated
-  reference run in ``--from`` for the loss comparison.
+- ``migrate``: build ``--from``, train, gather the global state, checkpoint-save (the
+  distributed optimizer in ``--sharding``'s format); for each ``--to`` layout rebuild the
+  world in the same processes, load resharded into a fresh model+optimizer, gather again
+  and compare bit for bit, train on; then a never-migrated reference run in ``--from`` for
+  the loss comparison.
 - ``rebuild``: rebuild ``parallel_state`` N times over alternating layouts and record
   threads, open fds and process groups after each rebuild (leak check).
 """
@@ -73,7 +74,7 @@ def scenario_migrate(args: argparse.Namespace, store: Any) -> dict[str, Any]:
     result["state_bytes_local"] = state.nbytes
     check = not args.no_check
     before = adapter.gather_global(trainee) if check else {}
-    ckpt = CheckpointMigrator(async_writer=not args.sync_save)
+    ckpt = CheckpointMigrator(async_writer=not args.sync_save, sharding=args.sharding)
     ckpt_dir = Path(args.ckpt_dir)
     saves = [ckpt.save(trainee, ckpt_dir / "step").to_json() for _ in range(args.saves)]
     result["saves"] = saves
@@ -290,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--sync-save", action="store_true", help="no persistent writer")
+    parser.add_argument("--sharding", default="fully_reshardable",
+                        help="the distributed optimizer's checkpoint format")
     parser.add_argument("--no-check", action="store_true", help="skip the global gathers")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--watchdog", type=float, default=0, help="dump stacks and exit after S")

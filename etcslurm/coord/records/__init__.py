@@ -29,13 +29,15 @@ from etcslurm.coord.records.causes import (
     moved_over_lower_bound,
     resize_cause,
 )
-from etcslurm.coord.records.change import ChangeRequest
+from etcslurm.coord.records.change import ChangeRequest, CheckpointRequest
 from etcslurm.coord.records.codec import Record, field_summary, replace
 from etcslurm.coord.records.events import (
     AUTOGROW_ACTIONS,
     EVENT_TYPES,
     Autogrow,
     ChangeRequested,
+    CheckpointRequested,
+    CheckpointSaving,
     Error,
     Event,
     EventData,
@@ -76,6 +78,9 @@ __all__ = [
     "Autogrow",
     "ChangeRequest",
     "ChangeRequested",
+    "CheckpointRequest",
+    "CheckpointRequested",
+    "CheckpointSaving",
     "Error",
     "Event",
     "EventData",

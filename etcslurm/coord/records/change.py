@@ -35,3 +35,15 @@ class ChangeRequest(Record):
             raise RecordError("change request: needs 'to' or a non-empty 'drain'")
         if self.to is not None and self.to != "auto":
             layout_field(self.to, "change request: field 'to'")
+
+
+class CheckpointRequest(Record):
+    """A request for a checkpoint at the next step boundary (the run's periodic save,
+    now); ``by``: who asked, ``ts``: unix time, ``reason``: free text for the log.  The
+    ``checkpoint`` key until the next step boundary takes it."""
+
+    WHAT: ClassVar[str] = "checkpoint request"
+
+    by: str
+    ts: Number
+    reason: str = ""

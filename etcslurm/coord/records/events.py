@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from etcslurm.coord.records.change import ChangeRequest
+from etcslurm.coord.records.change import ChangeRequest, CheckpointRequest
 from etcslurm.coord.records.codec import Number, Record, check, decode, show
 from etcslurm.coord.records.generation import WORKER_STATES, Assignment, GenerationRecord
 from etcslurm.errors import RecordError
@@ -215,6 +215,33 @@ class Autogrow(EventData):
                               f"{', '.join(AUTOGROW_ACTIONS)}, got {self.action!r}")
 
 
+class CheckpointRequested(EventData):
+    """A :class:`CheckpointRequest` was made (same fields)."""
+
+    TYPE: ClassVar[str] = "checkpoint.requested"
+    WHAT: ClassVar[str] = "checkpoint.requested event"
+
+    by: str
+    ts: Number
+    reason: str = ""
+
+    @classmethod
+    def of(cls, req: CheckpointRequest) -> CheckpointRequested:
+        return cls(req.by, req.ts, req.reason)
+
+
+class CheckpointSaving(EventData):
+    """The step boundary took a checkpoint request: the save of ``step`` into ``path``
+    began (complete once the directory's ``latest_checkpointed_iteration.txt`` names it)."""
+
+    TYPE: ClassVar[str] = "checkpoint.saving"
+    WHAT: ClassVar[str] = "checkpoint.saving event"
+
+    step: int
+    path: str
+    by: str = ""
+
+
 class RunStandby(EventData):
     """No allowed layout of the workers at hand fits (too few, or device memory): the run
     waits as standby for more (``reason``: one line, ``devices``: how many were here)."""
@@ -283,7 +310,7 @@ EVENT_TYPES: dict[str, type[EventData]] = {
     for c in (WorkerRegistered, WorkerState, WorkerGone, WorkerSignal, NodeReleased,
               ChangeRequested, GenerationStart, MigrationRebuild, MigrationProgress,
               MigrationDone, Step, RunEnd, RunRollback, RunStandby, Error, JobRequeued,
-              Autogrow)
+              Autogrow, CheckpointRequested, CheckpointSaving)
 }
 
 
