@@ -19,8 +19,8 @@ Measured on both, from step completion times (a survivor's: etcslurm's rank 0, t
 replica 0):
 
 * **pause** of the survivors at a shrink and at a grow: the longest gap between two
-  consecutive step completions from the event until one step after the first step in the
-  new world, minus the run's median step gap (``excess`` in the JSON: the sum of every
+  consecutive step completions from the event (the leave signal; the joiner's arrival)
+  until one step after the first step in the new world, minus the run's median step gap (``excess`` in the JSON: the sum of every
   gap of that window beyond the median and its jitter);
 * **joiner**: from its process start (and from its arrival: etcslurm's
   ``worker.registered``, torchft's Manager built and heartbeating) to its first
@@ -101,7 +101,9 @@ def measure(tl: Timeline, skip: int = 2) -> dict[str, Any]:
     """Pauses and joiner times of one run (see the module docstring)."""
     t = tl.steps
     shrink = _window(t, tl.leave_t, tl.shrunk_t)
-    grow = _window(t, tl.join_t, tl.joined_t)
+    # from the arrival: before it the joiner is only importing (its CPU use shows in the
+    # steps of both frameworks alike, it is no pause of theirs)
+    grow = _window(t, tl.arrival_t, tl.joined_t)
     # the pauses are one or two gaps among dozens: the median of them all is the step
     steady = [t[j] - t[j - 1] for j in range(1 + skip, len(t))]
     if len(steady) < 5 or not shrink or not grow:
@@ -463,6 +465,10 @@ def _fmt(cell: dict[str, Any] | None, title: str) -> str:
     return text
 
 
+def _ratio(r: float) -> str:
+    return f"{r:.2f}×" if r < 1 else f"{r:.1f}×"
+
+
 def table(summary: dict[str, dict[str, Any]], caption: str) -> Table:
     fws = list(summary)
     base = fws[0]
@@ -478,7 +484,7 @@ def table(summary: dict[str, dict[str, Any]], caption: str) -> Table:
             row.append(_fmt(summary[fw][title], title))
             a, b = summary[fw][title], summary[base][title]
             ok = title in RATIO_ROWS and a and b and b["median"] > 0
-            row.append(f"{a['median'] / b['median']:.1f}×" if ok else "")
+            row.append(_ratio(a["median"] / b["median"]) if ok else "")
         t.add_row(*row)
     return t
 
@@ -496,7 +502,7 @@ def markdown(summary: dict[str, dict[str, Any]]) -> str:
             row.append(_fmt(summary[fw][title], title))
             a, b = summary[fw][title], summary[base][title]
             ok = title in RATIO_ROWS and a and b and b["median"] > 0
-            row.append(f"{a['median'] / b['median']:.1f}×" if ok else "")
+            row.append(_ratio(a["median"] / b["median"]) if ok else "")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
