@@ -646,13 +646,16 @@ def main(argv: list[str] | None = None) -> int:
                             args, shape, hb, d)))
                 for name, fn in todo:
                     console.print(f"[dim]repeat {r + 1}/{args.repeat}: {name}[/dim]")
+                    load = os.getloadavg()[0]
                     tl = fn(runs / f"{name}-{r}")
+                    tl.extra["load_1min"] = [load, os.getloadavg()[0]]  # before, after
                     m = measure(tl)
                     measures.setdefault(tl.framework, []).append(m)
                     timelines.append({"repeat": r, **asdict(tl)})
                     console.print(f"[dim]  shrink pause {m['shrink']['pause_s']:.3f} s, grow "
                                   f"pause {m['grow']['pause_s']:.3f} s, joiner "
-                                  f"{m['joiner_start_s']:.2f} s from start[/dim]")
+                                  f"{m['joiner_start_s']:.2f} s from start; load "
+                                  f"{load:.1f} → {os.getloadavg()[0]:.1f}[/dim]")
     load_after = os.getloadavg()
     summary = summarize(measures)
     n = args.workers
