@@ -428,6 +428,8 @@ METRICS = (  # (row title, key path in measure()'s dict)
     ("median step (s)", ("step_s",)),
     ("etcslurm's own shrink pause (s)", ("own_pause_s", "shrink")),
     ("etcslurm's own grow pause (s)", ("own_pause_s", "grow")),
+    ("load average (1 min) at its start", ("load_start",)),
+    ("load average (1 min) at its end", ("load_end",)),
 )
 #: rows that get a torchft ÷ etcslurm ratio
 RATIO_ROWS = {"shrink pause (s)", "grow pause (s)", "joiner: start → first step (s)",
@@ -458,7 +460,7 @@ def summarize(measures: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, 
 def _fmt(cell: dict[str, Any] | None, title: str) -> str:
     if cell is None:
         return "–"
-    digits = 2 if "MiB" in title else 3
+    digits = 2 if "MiB" in title else 1 if "load" in title else 3
     text = f"{cell['median']:.{digits}f}"
     if cell["n"] > 1:
         text += f" ({cell['min']:.{digits}f}–{cell['max']:.{digits}f})"
@@ -648,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
                     console.print(f"[dim]repeat {r + 1}/{args.repeat}: {name}[/dim]")
                     load = os.getloadavg()[0]
                     tl = fn(runs / f"{name}-{r}")
-                    tl.extra["load_1min"] = [load, os.getloadavg()[0]]  # before, after
+                    tl.extra.update(load_start=load, load_end=os.getloadavg()[0])
                     m = measure(tl)
                     measures.setdefault(tl.framework, []).append(m)
                     timelines.append({"repeat": r, **asdict(tl)})
