@@ -62,10 +62,10 @@ from rich.table import Table
 
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
-from etcslurm.coord.server import BundledRedis
 from etcslurm.core.models import GPTSpec
 from etcslurm.errors import UsageError
-from etcslurm.runtime.launcher import DemoOptions, LocalRun, run_demo
+from etcslurm.local.launcher import DemoOptions, LocalRun, run_demo
+from etcslurm.redis_host.server import BundledRedis
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
