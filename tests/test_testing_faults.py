@@ -100,8 +100,9 @@ def test_the_test_worker_hands_its_hooks_to_the_runtime_worker(
 
     seen: dict[str, object] = {}
 
-    def fake_main(argv: list[str] | None = None, hooks: object = None) -> int:
-        seen.update(argv=argv, hooks=hooks)
+    def fake_main(argv: list[str] | None = None, hooks: object = None,
+                  train_step: object = None) -> int:
+        seen.update(argv=argv, hooks=hooks, train_step=train_step)
         return 0
 
     monkeypatch.setattr(runtime_worker, "main", fake_main)
@@ -109,5 +110,6 @@ def test_the_test_worker_hands_its_hooks_to_the_runtime_worker(
     assert worker.main(args) == 0
     assert seen["argv"] == ["--run", "r1", "--min-step-seconds", "2"]
     assert isinstance(seen["hooks"], MigrationDelay)
+    assert seen["train_step"] is None  # no "raise" key: the runtime's own step
     assert worker.main(["--faults", "{not json"]) == 2
     assert worker.main(["--faults", '{"nope": 1}']) == 2
