@@ -223,7 +223,9 @@ def train_step(model: list[Any], optimizer: Any, scheduler: Any, progress: Progr
     scheduler.step(increment=args.global_batch)
     progress.iteration += 1
     progress.consumed_samples += args.global_batch
-    return float(total.item()) * mb / args.global_batch
+    loss = float(total.item()) * mb / args.global_batch
+    report(progress, loss)
+    return loss
 
 
 def report(progress: Progress, loss: float) -> None:
@@ -355,7 +357,6 @@ def main() -> None:
         while not session.finished:
             with session.step():  # a peer lost inside the step: recover, then redo the step
                 loss = train_step(*session.objects, session.progress, dataset, args, log)
-                report(session.progress, loss)
                 session.step_done(loss)  # the step boundary: resize here if anything changed
 
 

@@ -221,7 +221,9 @@ def train_step(model: list[Any], optimizer: Any, scheduler: Any, progress: Progr
     scheduler.step(increment=args.global_batch)
     progress.iteration += 1
     progress.consumed_samples += args.global_batch
-    return float(total.item()) * mb / args.global_batch
+    loss = float(total.item()) * mb / args.global_batch
+    report(progress, loss)
+    return loss
 
 
 def report(progress: Progress, loss: float) -> None:
@@ -351,8 +353,7 @@ def main() -> None:
     model, optimizer, scheduler = build(args)
     progress = load_checkpoint(model, optimizer, scheduler, Progress(), args)  # --load: resume
     while progress.iteration < args.steps:
-        loss = train_step(model, optimizer, scheduler, progress, dataset, args, log)
-        report(progress, loss)
+        train_step(model, optimizer, scheduler, progress, dataset, args, log)
         save_checkpoint(model, optimizer, scheduler, progress, args)  # every --save-interval
 
 

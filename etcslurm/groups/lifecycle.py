@@ -18,6 +18,7 @@ migrations in a row leak nothing.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import queue
@@ -118,7 +119,24 @@ def retire(obj: Any) -> None:
     if not _REAPER or not _REAPER[0].is_alive():
         _REAPER[:] = [threading.Thread(target=_reap, name="etcslurm-reaper", daemon=True)]
         _REAPER[0].start()
+        atexit.register(_let_the_reaper_finish)
     _RETIRED.put(obj)
+
+
+#: how long a process that exits waits for the reaper to finish the groups it was handed
+REAPER_EXIT_WAIT_S = 3.0
+
+
+def _let_the_reaper_finish() -> None:
+    """At exit, give the reaper :data:`REAPER_EXIT_WAIT_S` to finish what it holds.
+
+    Why: the reaper is a daemon thread; an interpreter that ends while it is inside a gloo
+    group's destructor (the GIL released) tears down what that destructor still uses, and
+    the process aborts (``terminate called without an active exception``, exit -6) after
+    work that ended well -- seen on a worker that left right after a resize."""
+    deadline = time.monotonic() + REAPER_EXIT_WAIT_S
+    while _RETIRED.unfinished_tasks and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _reap() -> None:
@@ -136,6 +154,7 @@ def _reap() -> None:
         # wait in this thread.
         if _RETIRED.empty():
             gc.collect()
+        _RETIRED.task_done()
 
 
 def configure(

@@ -349,6 +349,17 @@ def reference_workers(spec: GPTSpec | None, workers: int) -> int:
     return workers if spec is None or spec.moe else 1
 
 
+def _reference_run(opts: DemoOptions, run_id: str, run_dir: Path, url: str,
+                   password_file: str | None, spec: GPTSpec | None, workers: int) -> LocalRun:
+    """The never-resized reference of a run: its first workers, no schedule, unpaced
+    (pacing only gives an elastic run's joiners time to arrive; it changes no loss)."""
+    ref_dir = run_dir / "reference"
+    ref_dir.mkdir(exist_ok=True)
+    ref_opts = replace(opts, workers=workers, schedule="", min_step_seconds=0.0,
+                       run_id=f"{run_id}-ref", run_dir=str(ref_dir))
+    return LocalRun(ref_opts, f"{run_id}-ref", ref_dir, url, password_file, spec, workers)
+
+
 def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
              on_tick: Callable[[LocalRun], None] | None = None) -> DemoResult:
     """Run the elastic demo (and its no-resize reference) end to end."""
@@ -377,7 +388,7 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
         server = BundledRedis(run_dir).start()
         url, pw = server.url, str(server.password_file)
         say(f"bundled Redis on {server.url} (password in {server.password_file})")
-    run = None
+    run = ref = None
     try:
         run = LocalRun(opts, run_id, run_dir, url, pw, spec, opts.workers)
         with contextlib.suppress(OSError):
@@ -385,17 +396,20 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
         run.spawn_initial(opts.workers)
         say(f"run {run_id}: {opts.workers} workers training {spec or 'their model'} for "
             f"{opts.steps} steps")
+        n_ref = reference_workers(spec, opts.workers)
+        if opts.reference:
+            ref = _reference_run(opts, run_id, run_dir, url, pw, spec, n_ref)
+            # a one-worker reference trains beside the run, which mostly waits (paced
+            # steps, joiners importing); a wider one after it, not to crowd the cores
+            if n_ref == 1:
+                ref.spawn_initial(n_ref)
         drive(run, events, opts.timeout, on_tick)
         result = run.result
         result.dtype = spec.dtype if spec is not None else "the model's"
-        if opts.reference:
-            n_ref = reference_workers(spec, opts.workers)
+        if ref is not None:
             say(f"reference run without resizes ({n_ref} worker{'s' if n_ref > 1 else ''})")
-            ref_opts = DemoOptions(**{**opts.__dict__, "workers": n_ref, "schedule": "",
-                                      "run_id": f"{run_id}-ref", "run_dir": str(run_dir / "reference")})
-            (run_dir / "reference").mkdir(exist_ok=True)
-            ref = LocalRun(ref_opts, f"{run_id}-ref", run_dir / "reference", url, pw, spec, n_ref)
-            ref.spawn_initial(n_ref)
+            if not ref.procs:
+                ref.spawn_initial(n_ref)
             drive(ref, (), opts.timeout)
             result.reference_losses = ref.result.losses
             ref.coord.end_run(keep_s=opts.keep_keys_s)
@@ -405,7 +419,8 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
         (run_dir / "summary.json").write_text(json.dumps(result.to_json(), indent=1))
         return result
     finally:
-        if run is not None:
-            run.stop_all()
+        for started in (run, ref):
+            if started is not None:
+                started.stop_all()
         if server is not None:
             server.stop()

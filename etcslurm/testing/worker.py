@@ -41,4 +41,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from etcslurm.runtime.worker import exit_without_teardown
+
+    exit_without_teardown(main())
