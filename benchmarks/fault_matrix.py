@@ -48,6 +48,7 @@ import sys
 from pathlib import Path
 
 from etcslurm.redis_host.server import BundledRedis
+from etcslurm.testing.fault_harness import table
 from etcslurm.testing.fault_scenarios import (
     SCENARIOS,
     Row,
@@ -55,7 +56,6 @@ from etcslurm.testing.fault_scenarios import (
     redis_restart,
     redis_unreachable,
     reference_losses,
-    table,
 )
 
 

@@ -67,7 +67,7 @@ def pack_throughput(dev: object, cpu: bool) -> None:
     import torch
 
     from etcslurm.core.state import Piece
-    from etcslurm.transfer.executor import _typed, checksum, message_layout
+    from etcslurm.transfer.wire import checksum, message_layout, typed_view
 
     n = 2048 if cpu else 8192
     src = torch.randn(n, n, device=dev)
@@ -82,7 +82,7 @@ def pack_throughput(dev: object, cpu: bool) -> None:
             t0 = time.perf_counter()
             for i, off in zip(layout.packed, layout.offsets, strict=True):
                 box = tuple(slice(lo, hi) for lo, hi in slices[i].box)
-                _typed(buf, off, slices[i]).copy_(src[box])
+                typed_view(buf, off, slices[i]).copy_(src[box])
             sync(cpu)
             t1 = time.perf_counter()
             int(checksum(buf[: layout.payload]))
@@ -90,7 +90,7 @@ def pack_throughput(dev: object, cpu: bool) -> None:
             t2 = time.perf_counter()
             for i, off in zip(layout.packed, layout.offsets, strict=True):
                 box = tuple(slice(lo, hi) for lo, hi in slices[i].box)
-                dst[box].copy_(_typed(buf, off, slices[i]))
+                dst[box].copy_(typed_view(buf, off, slices[i]))
             sync(cpu)
             t3 = time.perf_counter()
         if not torch.equal(dst, src):

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from etcslurm.core.layout import ParallelConfig, choose_config, parse_ranges, valid_configs
+from etcslurm.core.layout import ParallelConfig, parse_ranges, valid_configs
+from etcslurm.core.layout_choice import choose_config
 from etcslurm.core.models import PRESETS, GPTSpec
 from etcslurm.core.state import Piece, box_numel, flat_range_boxes
 from etcslurm.errors import LayoutError, UsageError
@@ -187,7 +188,7 @@ def test_expert_shards_tile_the_experts_once_per_expert_replica():
 
 
 def test_allowed_layout_filters() -> None:
-    from etcslurm.core.layout import LayoutFilter
+    from etcslurm.core.layout_choice import LayoutFilter
 
     exact = LayoutFilter.parse(" TP2PP2dp4 ")
     assert str(exact) == "tp2pp2dp4" and exact.allows(ParallelConfig(2, 2, 4))
@@ -201,7 +202,7 @@ def test_allowed_layout_filters() -> None:
 
 
 def test_choose_honours_the_limits_and_names_why() -> None:
-    from etcslurm.core.layout import LayoutFilter, LayoutRules, NoLayoutFits, choose
+    from etcslurm.core.layout_choice import LayoutFilter, LayoutRules, NoLayoutFits, choose
     from etcslurm.core.memory import TrainingSetup
 
     spec = PRESETS["gpt-tiny"]

@@ -9,7 +9,8 @@ import re
 import pytest
 
 from etcslurm.cli import main
-from etcslurm.core.layout import LayoutFilter, LayoutRules, NoLayoutFits, ParallelConfig, assess
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.layout_choice import LayoutFilter, LayoutRules, NoLayoutFits, assess
 from etcslurm.core.memory import TrainingSetup
 from etcslurm.core.models import PRESETS
 
@@ -125,7 +126,7 @@ def test_seeded_random_choices_fit_and_obey_the_limits(capsys: pytest.CaptureFix
 
 
 def test_no_layout_fits_is_a_layout_error() -> None:
-    from etcslurm.core.layout import choose
+    from etcslurm.core.layout_choice import choose
 
     rules = LayoutRules(TrainingSetup("adam", 1, 8), 8, 16 * 2**30)
     with pytest.raises(NoLayoutFits, match="memory of a device"):

@@ -11,9 +11,11 @@ import pytest
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
 from etcslurm.coord.records import EVENT_TYPES, Event, GenerationStart, event_data
-from etcslurm.monitor.model import Refused, RunModel, compact_ids, fmt_bytes, rank_coord
+from etcslurm.monitor.model import RunModel
 from etcslurm.monitor.render import render_run
 from etcslurm.monitor.source import RunSource, to_event
+from etcslurm.monitor.text import compact_ids, fmt_bytes, rank_coord
+from etcslurm.monitor.views import Refused
 from tests.helpers import generation_record
 
 pytestmark = pytest.mark.redis

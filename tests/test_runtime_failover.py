@@ -26,7 +26,7 @@ from etcslurm.coord.coordinator import Coordinator
 from etcslurm.local.launcher import LOSS_TOLERANCE, DemoOptions, LocalRun, run_demo
 from etcslurm.redis_host import failover
 from etcslurm.redis_host.sentinel import Site
-from etcslurm.testing.fault_scenarios import Tracker, at_step
+from etcslurm.testing.fault_harness import Tracker, at_step
 from tests import test_coord_failover as coord_failover
 from tests.helpers import generation_record, pids_alive
 from tests.test_runtime_elastic import _data_positions

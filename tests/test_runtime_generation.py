@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from etcslurm.coord.records import Assignment, ChangeRequest, GenerationRecord, replace
-from etcslurm.core.layout import NoLayoutFits, ParallelConfig
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.layout_choice import NoLayoutFits
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.plan import plan
 from etcslurm.errors import UsageError

@@ -9,12 +9,11 @@ from etcslurm.bench.launch import launch
 from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError
 from etcslurm.testing.synthetic import SynthMessage, global_tensor, needed_pieces, synthetic_plan
-from etcslurm.transfer.executor import (
+from etcslurm.transfer.executor import check_fills, execute
+from etcslurm.transfer.wire import (
     DIRECT_MIN_BYTES,
     ViewIndex,
-    check_fills,
     checksum,
-    execute,
     message_layout,
     staging_bytes_per_round,
 )

@@ -38,7 +38,8 @@ from typing import Any
 
 from etcslurm.baseline import megatron_lm
 from etcslurm.errors import MigrationError, WaitTimeout
-from etcslurm.megatron.model import Trainee, fix_step_alias, patch_distopt_step_keyerror
+from etcslurm.megatron.adam_state import fix_step_alias, patch_distopt_step_keyerror
+from etcslurm.megatron.model import Trainee
 from etcslurm.parent_death import die_with_parent, forked_children_die_with_us
 
 log = logging.getLogger("etcslurm.baseline")

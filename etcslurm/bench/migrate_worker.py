@@ -47,7 +47,7 @@ from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
 from etcslurm.errors import UsageError
 from etcslurm.groups import lifecycle as groups
-from etcslurm.transfer.executor import DIRECT_MIN_BYTES
+from etcslurm.transfer.wire import DIRECT_MIN_BYTES
 
 #: the node name of old device ``r`` and of joiner ``k`` (as ``etcslurm plan`` names them)
 GPUS_PER_NODE = 8

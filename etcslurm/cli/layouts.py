@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from etcslurm.core.layout import LayoutFilter, LayoutRules
+    from etcslurm.core.layout_choice import LayoutFilter, LayoutRules
     from etcslurm.core.memory import DEFAULT_MARGIN, TrainingSetup, parse_bytes
     from etcslurm.core.models import GPTSpec
     from etcslurm.errors import UsageError
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 def listing(n_devices: int, spec: Any, rules: Any) -> dict[str, Any]:
     """The command's JSON: every layout of ``n_devices`` judged, and the policy's pick."""
-    from etcslurm.core.layout import NoLayoutFits, choose, layout_options
+    from etcslurm.core.layout_choice import NoLayoutFits, choose, layout_options
 
     options = layout_options(n_devices, spec, rules)
     try:

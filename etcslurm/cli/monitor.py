@@ -92,7 +92,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def summary(view: Any) -> str:
     """A few human lines: what runs where, the last migration, the last events."""
-    from etcslurm.monitor.model import fmt_bytes, fmt_rate, fmt_seconds
+    from etcslurm.monitor.text import fmt_bytes, fmt_rate, fmt_seconds
 
     states: dict[str, int] = {}
     for node in view.nodes:

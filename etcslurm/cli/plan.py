@@ -42,7 +42,8 @@ def _human(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from etcslurm.core.layout import LayoutRules, ParallelConfig, parse_ranges
+    from etcslurm.core.layout import ParallelConfig, parse_ranges
+    from etcslurm.core.layout_choice import LayoutRules
     from etcslurm.core.memory import TrainingSetup
     from etcslurm.core.models import GPTSpec
     from etcslurm.core.plan import plan

@@ -97,7 +97,7 @@ def parse_node(text: str) -> NodeInfo | None:
     if "NodeName" not in f or "State" not in f:
         return None
     reason = f.get("Reason")
-    if reason:  # "maintenance [root@2026-12-03T17:34:23]" → "maintenance"
+    if reason:  # "maintenance [root@<when>]" → "maintenance"
         reason = re.sub(r"\s*\[[^\]]*\]\s*$", "", reason).strip() or None
     return NodeInfo(f["NodeName"], f["State"], None if reason in (None, "(null)") else reason)
 

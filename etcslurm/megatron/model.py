@@ -17,8 +17,8 @@ torch norms are created fp32 otherwise), fp32 main params in the optimizer.
 
 The optimizer is megatron's own (``get_megatron_optimizer``, Adam; plain or
 ``use_distributed_optimizer=True``) behind megatron's DDP wrapper; its state is
-initialised at build time (:func:`init_optimizer_state`) so a freshly built optimizer
-already has every tensor a migration writes into.
+initialised at build time (:func:`etcslurm.megatron.adam_state.init_optimizer_state`)
+so a freshly built optimizer already has every tensor a migration writes into.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
 from etcslurm.errors import UsageError
 from etcslurm.megatron import cpu_shim
+from etcslurm.megatron.adam_state import init_optimizer_state
 
 OPTIMIZERS = ("adam", "distributed")
 #: TP sizes up to this share one padded vocabulary (megatron pads per TP otherwise,
@@ -443,76 +444,3 @@ def wrap_gpt(
     t_end = time.perf_counter()
     trainee.timings.update(wrap_model_s=t_model - t0, build_optimizer_s=t_end - t_model)
     return trainee
-
-
-def init_optimizer_state(trainee: Trainee) -> None:
-    """Create every Adam state tensor (zeros, ``step`` 0 — one tensor PER param).
-
-    Why: torch Adam creates its state lazily at the first step, but migration and
-    checkpoint loading write into the state of a freshly built optimizer.  Unlike
-    megatron's ``_init_optimizer_states_with_dummy_values`` this runs no optimizer step,
-    so weights stay untouched.
-    """
-    for mopt in trainee.inner_optimizers():
-        inner = mopt.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                state = inner.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if "step" not in state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-    fix_step_alias(trainee.optimizer)
-
-
-def fix_step_alias(optimizer: Any) -> int:
-    """Give every param its own Adam ``step`` tensor; returns how many were shared.
-
-    Why: DistributedOptimizer.load_state_dict (torch-Adam fallback, no Apex/TE) assigns
-    ONE ``step`` tensor to every param; Adam then increments it once per param per step
-    and bias correction goes silently wrong (loss off by ~1e-2 after one step).
-    """
-    shared = 0
-    for mopt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        by_id: dict[int, list[dict]] = {}
-        for state in mopt.optimizer.state.values():
-            step = state.get("step")
-            if torch.is_tensor(step):
-                by_id.setdefault(id(step), []).append(state)
-        for states in by_id.values():
-            if len(states) > 1:
-                shared += len(states)
-                for state in states:
-                    state["step"] = state["step"].clone()
-    return shared
-
-
-_DISTOPT_PATCHED = False
-
-
-def patch_distopt_step_keyerror() -> None:
-    """Let DistributedOptimizer load ``fully_reshardable`` state on the torch-Adam fallback.
-
-    Why: ``_set_main_param_and_optimizer_states`` iterates the live Adam state (which has
-    ``step``) while the loaded dict has no ``step`` → ``KeyError: 'step'``.  Keys missing
-    from the source keep their live value (the scalars restore ``step`` afterwards).
-    """
-    global _DISTOPT_PATCHED
-    if _DISTOPT_PATCHED:
-        return
-    from megatron.core.optimizer import distrib_optimizer as dopt
-
-    original = dopt.DistributedOptimizer._set_main_param_and_optimizer_states
-
-    def patched(self: Any, model_param: Any, tensors: dict) -> Any:
-        gi, go = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[gi]["params"][go]
-        merged = dict(tensors)
-        for key, value in self.optimizer.state.get(main_param, {}).items():
-            if key not in merged and torch.is_tensor(value):
-                merged[key] = value.clone()
-        return original(self, model_param, merged)
-
-    dopt.DistributedOptimizer._set_main_param_and_optimizer_states = patched
-    _DISTOPT_PATCHED = True

@@ -269,7 +269,7 @@ def rewrap(old: Any, before: GroupSnapshot, layout: ParallelConfig) -> Any:
     trainee = wrap_gpt(gpt, gpt.config, old.spec, layout, old.optimizer_kind, old.seed,
                        old.dtype, old.hyper, init_state=False)
     hand_over_optimizer(old.optimizer, trainee.optimizer)
-    from etcslurm.megatron.model import init_optimizer_state
+    from etcslurm.megatron.adam_state import init_optimizer_state
 
     init_optimizer_state(trainee)  # a param without state (none after a step) gets zeros
     trainee.iteration, trainee.consumed_samples = old.iteration, old.consumed_samples

@@ -19,9 +19,11 @@ from rich.console import Console
 from rich.live import Live
 
 from etcslurm.coord.records import Event, Step
-from etcslurm.monitor.model import Refused, RunModel, fmt_bytes, fmt_rate
+from etcslurm.monitor.model import RunModel
 from etcslurm.monitor.render import build, render_run
 from etcslurm.monitor.source import RunSource
+from etcslurm.monitor.text import fmt_bytes, fmt_rate
+from etcslurm.monitor.views import Refused
 
 BLOCK_MS = 250
 KEYS_EVERY = 0.5

@@ -22,8 +22,9 @@ from prometheus_client.registry import Collector
 from etcslurm.coord.records import RESIZE_CAUSES
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.errors import EtcslurmError, LayoutError
-from etcslurm.monitor.model import STATES, RunModel, RunView
+from etcslurm.monitor.model import RunModel
 from etcslurm.monitor.source import RunSource
+from etcslurm.monitor.views import STATES, RunView
 
 
 class RunCollector(Collector):

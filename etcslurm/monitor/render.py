@@ -1,4 +1,4 @@
-"""Rich renderables for a :class:`~etcslurm.monitor.model.RunView`, sized to the terminal.
+"""Rich renderables for a :class:`~etcslurm.monitor.views.RunView`, sized to the terminal.
 
 The screen is built line by line so it can be budgeted to the terminal's height (80×24
 is the design size): header, devices by node, the current/last migration with a bar per
@@ -15,15 +15,8 @@ import time
 from rich.console import Console, Group
 from rich.text import Text
 
-from etcslurm.monitor.model import (
-    DeviceView,
-    MigrationView,
-    RankProgress,
-    RunView,
-    fmt_bytes,
-    fmt_rate,
-    fmt_seconds,
-)
+from etcslurm.monitor.text import fmt_bytes, fmt_rate, fmt_seconds
+from etcslurm.monitor.views import DeviceView, MigrationView, RankProgress, RunView
 
 SPARK = "▁▂▃▄▅▆▇█"
 TREND = {"down": ("↓", "green"), "up": ("↑", "red"), "flat": ("→", "yellow"), "": ("", "")}

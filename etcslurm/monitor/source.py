@@ -19,7 +19,8 @@ from etcslurm.coord.client import CoordClient, connect, redact
 from etcslurm.coord.coordinator import Coordinator
 from etcslurm.coord.records import Event, parse_event
 from etcslurm.errors import EtcslurmError, RecordError, UsageError
-from etcslurm.monitor.model import Refused, RunModel
+from etcslurm.monitor.model import RunModel
+from etcslurm.monitor.views import Refused
 from etcslurm.redis_host import failover
 
 ENV_URL = "ETCSLURM_REDIS_URL"

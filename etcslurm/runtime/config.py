@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from etcslurm.core.layout import LayoutFilter, LayoutRules, ParallelConfig
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.layout_choice import LayoutFilter, LayoutRules
 from etcslurm.core.memory import DEFAULT_MARGIN, TrainingSetup
 from etcslurm.core.models import GPTSpec
 from etcslurm.errors import UsageError

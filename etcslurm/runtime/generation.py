@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from etcslurm.coord.records import Assignment, ChangeRequest, GenerationRecord, replace
-from etcslurm.core.layout import (
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.layout_choice import (
     LayoutDecision,
     LayoutFilter,
     LayoutRules,
     NoLayoutFits,
-    ParallelConfig,
     assess,
     choose,
 )

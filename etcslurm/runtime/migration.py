@@ -47,13 +47,8 @@ from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError, WaitTimeout
 from etcslurm.groups import lifecycle as groups
 from etcslurm.hooks import NO_HOOKS, Hooks
-from etcslurm.transfer.executor import (
-    DIRECT_MIN_BYTES,
-    TransferStats,
-    check_fills,
-    execute,
-    staging_arena,
-)
+from etcslurm.transfer.executor import TransferStats, check_fills, execute
+from etcslurm.transfer.wire import DIRECT_MIN_BYTES, staging_arena
 
 PHASES = ("build", "describe", "group", "plan", "prepare", "exchange", "close", "commit")
 

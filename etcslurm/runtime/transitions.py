@@ -16,7 +16,8 @@ from typing import Any
 from etcslurm.coord.coordinator import ACTIVE, JOINING
 from etcslurm.coord.records import GenerationRecord
 from etcslurm.coord.records import replace as replace_record
-from etcslurm.core.layout import NoLayoutFits, ParallelConfig
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.layout_choice import NoLayoutFits
 from etcslurm.errors import StateLostError, WaitTimeout
 from etcslurm.runtime import checkpointing, generation
 from etcslurm.runtime.config import device_memory_bytes, settled_within

@@ -27,7 +27,7 @@ from etcslurm.groups.bounds import rendezvous_fails_within
 from etcslurm.hooks import NO_HOOKS, Hooks
 from etcslurm.runtime.config import Builder, RunSettings, WorkerOptions
 from etcslurm.runtime.migration import Migration, MigrationJob, MigrationResult, Observer
-from etcslurm.transfer.executor import DIRECT_MIN_BYTES
+from etcslurm.transfer.wire import DIRECT_MIN_BYTES
 
 log = logging.getLogger("etcslurm.runtime")
 
@@ -41,7 +41,7 @@ class World:
                  direct_min: int = DIRECT_MIN_BYTES) -> None:
         self.store = store
         #: slices of at least this many bytes travel as segments of their own
-        #: (:data:`etcslurm.transfer.executor.DIRECT_MIN_BYTES`)
+        #: (:data:`etcslurm.transfer.wire.DIRECT_MIN_BYTES`)
         self.direct_min = direct_min
         self.settings = settings
         self.options = options
@@ -159,8 +159,9 @@ class World:
         :class:`~etcslurm.megatron.model.Trainee` whose optimizer state exists (torch's
         Adam creates it lazily at the first step; a migration or a checkpoint load writes
         into it, so a user's builder need not do this itself)."""
+        from etcslurm.megatron.adam_state import init_optimizer_state
         from etcslurm.megatron.adopt import as_trainee
-        from etcslurm.megatron.model import TrainHyper, build_gpt, init_optimizer_state
+        from etcslurm.megatron.model import TrainHyper, build_gpt
 
         s = self.settings
         if self.build is None:

@@ -8,7 +8,8 @@ Nothing in the product imports this package (an import-linter contract in
 * :mod:`etcslurm.testing.worker` — ``python -m etcslurm.testing.worker --faults JSON ...``:
   the runtime worker with those hooks.
 * :mod:`etcslurm.testing.fault_scenarios` — the fault runs ``tests/test_faults.py`` asserts
-  on and ``benchmarks/fault_matrix.py`` measures.
+  on and ``benchmarks/fault_matrix.py`` measures, on :mod:`etcslurm.testing.fault_harness`
+  (a run's options, tracker and measured row).
 * :mod:`etcslurm.testing.synthetic` — executor self-test on synthetic tensors.
 * :mod:`etcslurm.testing.megatron_selftest` — multi-process adapter/baseline checks.
 * :mod:`etcslurm.testing.scenario` — a scripted resize for the monitor.

@@ -22,7 +22,8 @@ from etcslurm.core.state import Piece
 from etcslurm.errors import EtcslurmError
 from etcslurm.groups import lifecycle as groups
 from etcslurm.testing.faults import CorruptOnce
-from etcslurm.transfer.executor import execute, staging_bytes_per_round
+from etcslurm.transfer.executor import execute
+from etcslurm.transfer.wire import staging_bytes_per_round
 
 
 @dataclass(frozen=True)

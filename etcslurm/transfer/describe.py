@@ -19,7 +19,7 @@ import torch
 from etcslurm.core.descriptions import decode_pieces, digest, encode_pieces
 from etcslurm.core.state import Piece
 from etcslurm.errors import MigrationError
-from etcslurm.transfer.executor import state_device
+from etcslurm.transfer.wire import state_device
 
 
 @dataclass(frozen=True)
