@@ -24,14 +24,13 @@ import torch
 
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
+from etcslurm.megatron.adam_state import fix_step_alias, init_optimizer_state
 from etcslurm.megatron.cpu_shim import install_if_needed
 from etcslurm.megatron.model import (
     OPTIMIZERS,
     Trainee,
     TrainHyper,
     build_gpt,
-    fix_step_alias,
-    init_optimizer_state,
     padded_vocab,
 )
 from etcslurm.megatron.parallel import (

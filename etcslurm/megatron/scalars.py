@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from etcslurm.megatron.model import Trainee, fix_step_alias
+from etcslurm.megatron.adam_state import fix_step_alias
+from etcslurm.megatron.model import Trainee
 
 SCALARS_VERSION = 1
 
