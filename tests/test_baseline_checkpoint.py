@@ -69,11 +69,11 @@ _MANAGER_CHILD = """
 import sys, time
 from etcslurm.megatron.cpu_shim import install_if_needed
 install_if_needed()
-from etcslurm.baseline import checkpoint
+from etcslurm.baseline import writer
 from megatron.core.dist_checkpointing.strategies import filesystem_async
-checkpoint._results_queue_dying_with_us()
+writer.results_queue_dying_with_us()
 filesystem_async._results_queue.put("ok")  # the queue works
-print(checkpoint._RESULTS_MANAGER._process.pid, flush=True)
+print(writer._RESULTS_MANAGER._process.pid, flush=True)
 time.sleep(600)
 """
 

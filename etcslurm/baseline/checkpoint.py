@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from etcslurm.baseline import megatron_lm
+from etcslurm.baseline.writer import results_queue_dying_with_us, route_writer_through_shim
 from etcslurm.errors import MigrationError, WaitTimeout
 from etcslurm.megatron.adam_state import fix_step_alias, patch_distopt_step_keyerror
 from etcslurm.megatron.model import Trainee
-from etcslurm.parent_death import die_with_parent, forked_children_die_with_us
 
 log = logging.getLogger("etcslurm.baseline")
 
@@ -121,90 +121,6 @@ def sharded_state(trainee: Trainee, is_loading: bool,
     return state
 
 
-def _persistent_writer_loop(*args: Any, **kwargs: Any) -> None:
-    """The persistent writer process's entry point, with the CPU shim when needed.
-
-    Why: megatron spawns the writer as a fresh interpreter running
-    ``PersistentAsyncCaller.async_loop``, which starts with
-    ``torch.cuda.set_device(rank % torch.cuda.device_count())`` — on a CPU-only machine a
-    ZeroDivisionError that leaves the trainer waiting forever.  This runs the shim (and a
-    device count of 1) in the writer first, then megatron's own loop; and the writer exits
-    when its trainer process dies.
-    """
-    import threading
-
-    import torch
-
-    from etcslurm.megatron import cpu_shim
-
-    if cpu_shim.install_if_needed():
-        torch.cuda.device_count = lambda: 1
-    parent = os.getppid()
-    die_with_parent(parent=parent)
-    forked_children_die_with_us()  # the workers megatron's writer forks for each save
-
-    def _exit_with_parent() -> None:
-        # megatron's writer blocks on its queue forever when the trainer dies (a crashed
-        # or killed run left 200+ MB writers behind): leave when the parent is gone
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(0)
-
-    threading.Thread(target=_exit_with_parent, name="etcslurm-writer-guard", daemon=True).start()
-    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
-
-    loop = PersistentAsyncCaller.__dict__["async_loop"]
-    loop = getattr(loop, "__func__", loop)
-    if loop is _persistent_writer_loop:
-        loop = _ORIGINAL_LOOP
-    loop(*args, **kwargs)
-
-
-_ORIGINAL_LOOP: Any = None
-
-
-
-_RESULTS_MANAGER: Any = None
-
-
-def _results_queue_dying_with_us() -> None:
-    """Give megatron's file writer a results queue whose server dies with this process.
-
-    ``filesystem_async`` creates, on first use, ``multiprocessing.Manager().Queue()``: a
-    spawned manager server (~270 MB) that is only shut down when this process exits
-    cleanly.  A trainer that is killed (preemption, a failed peer, a test timeout) left it
-    behind forever -- measured: 36 orphans, ~10 GB, after one test session.  Started here
-    with :func:`~etcslurm.parent_death.die_with_parent` as its initializer instead.
-    """
-    global _RESULTS_MANAGER
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is not None:
-        return
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=die_with_parent)
-    _RESULTS_MANAGER = manager
-    filesystem_async._results_queue = manager.Queue()
-
-
-def _route_writer_through_shim() -> None:
-    """Make megatron's persistent writer start via :func:`_persistent_writer_loop` (the
-    shim only applies without a GPU; the parent-death guard always)."""
-    global _ORIGINAL_LOOP
-    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
-
-    current = PersistentAsyncCaller.__dict__["async_loop"]
-    current = getattr(current, "__func__", current)
-    if current is _persistent_writer_loop:
-        return
-    _ORIGINAL_LOOP = current
-    PersistentAsyncCaller.async_loop = staticmethod(_persistent_writer_loop)
-
-
 class CheckpointMigrator:
     """Save → load-resharded with ``dist_checkpointing``; one per process, reused, so the
     persistent writer stays warm across saves.  ``close()`` stops the writer."""
@@ -218,7 +134,7 @@ class CheckpointMigrator:
 
         if sharding not in DISTOPT_SHARDINGS:
             raise ValueError(f"sharding {sharding!r}: use one of {', '.join(DISTOPT_SHARDINGS)}")
-        _route_writer_through_shim()
+        route_writer_through_shim()
         self.thread_count = thread_count
         self.async_writer = async_writer
         self.sharding = sharding
@@ -298,7 +214,7 @@ class CheckpointMigrator:
         import torch.distributed as dist
         from megatron.core import dist_checkpointing
 
-        _results_queue_dying_with_us()  # where megatron would create it: inside the save
+        results_queue_dying_with_us()  # where megatron would create it: inside the save
         target = megatron_lm.iteration_dir(save_dir, trainee.iteration)
         rank0 = dist.get_rank() == 0
         if rank0:
@@ -320,12 +236,28 @@ class CheckpointMigrator:
 
         if asynchronous:
             request.add_finalize_fn(point_tracker)
+            self._align_call_index()
             self._queue.schedule_async_request(request)
             self._writer_started = True
         else:
             dist.barrier()  # every rank's files are complete
             point_tracker()
         return target
+
+    def _align_call_index(self) -> None:
+        """Number this save the same on every rank of the world that makes it.
+
+        Why: megatron's queue counts its saves per process and, finalizing, checks that
+        every rank finalizes the same index.  A process that sat out a save (a leaver, a
+        rank outside a smaller world) counts fewer, and its next save in a world with the
+        others failed with megatron's "Unmatched async calls"."""
+        import torch
+        import torch.distributed as dist
+
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        index = torch.tensor([self._queue.call_idx], dtype=torch.int, device=device)
+        dist.all_reduce(index, op=dist.ReduceOp.MAX)
+        self._queue.call_idx = int(index.item())
 
     def poll(self, blocking: bool = False) -> bool:
         """Finalise what the writer has finished (``blocking``: wait for all of it);
