@@ -45,8 +45,14 @@ def sh(*cmd: str) -> str:
 
 
 def job_state(job_id: str) -> str:
-    """The Slurm state of ``job_id`` (first line: an array's first task)."""
-    return sh("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T").split("\n")[0]
+    """The Slurm state of ``job_id`` (first line: an array's first task); "" once squeue
+    has forgotten the job (MinJobAge after its end), which it reports as an invalid id."""
+    done = subprocess.run(("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"),
+                          capture_output=True, text=True, timeout=30)
+    if done.returncode and "Invalid job id" in done.stderr:
+        return ""
+    done.check_returncode()
+    return done.stdout.strip().split("\n")[0]
 
 
 def generation_record(

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from etcslurm.groups.bounds import rendezvous_fails_within
 
 WORLD = 4
-TIMEOUT = 1.0
+TIMEOUT = 2.0
 
 #: one rank: forms generation "r" with etcslurm's configure(), stopping itself (SIGSTOP)
 #: right after it published its address in the store, before connecting to anyone; the
@@ -149,9 +149,10 @@ def test_a_rendezvous_with_a_hung_peer_fails_within_the_bound_and_not_within_its
                 p.send_signal(signal.SIGKILL)
             p.wait(timeout=30)
     assert all(r["error"] and r["error"].startswith("WaitTimeout:") for r in reports), reports
-    assert all("could not form the gloo group (timeout 1 s" in r["error"] for r in reports)
+    assert all(f"could not form the gloo group (timeout {TIMEOUT:g} s" in r["error"] for r in reports)
     elapsed = sorted(r["elapsed"] for r in reports)
     # needed: a rank waiting for the hung one to connect outlasts the timeout by far ...
     assert elapsed[0] >= 3 * TIMEOUT, reports
-    # ... and bounded (slack: scheduling noise on a loaded 2-core machine)
-    assert elapsed[-1] <= rendezvous_fails_within(TIMEOUT) + 2.0, reports
+    # ... and bounded: by 5x, not by anything longer (the slack, 3x, is scheduling noise on
+    # a loaded 2-core machine: 2 s over the bound at a load of 20 with a 1-s timeout)
+    assert elapsed[-1] <= rendezvous_fails_within(TIMEOUT) + 3 * TIMEOUT, reports

@@ -119,7 +119,6 @@ def _data_log_generations(run_dir: Path) -> dict[str, list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.redis
-@pytest.mark.waits  # paced steps and Sentinel's down-after
 @pytest.mark.timeout(600)
 def test_sigkill_of_primary_mid_run_then_resize_matches_reference(sites, run_id, tmp_path,
                                                                  reference):
