@@ -541,10 +541,12 @@ def test_preempting_the_job_of_the_coordinators_primary_hands_it_over(
                                          if second in g.get("leaving", [])), None),
                            SLURM_TIMER + 300, "the generation without task 3's worker")
         assert shrink2["kind"] == "resize" and shrink2["world"] == 2
-        run.wait(run.finished, RUN_TIMEOUT, "the run to finish")
-        # the run's coordinator ends with its last job: stop the monitor before (SIGTERM
-        # leaves it like Ctrl-C, exit 0)
+        # the run's coordinator ends with its last job: stop the monitor at the last step,
+        # before the workers leave (SIGTERM leaves it like Ctrl-C, exit 0); once the sites
+        # are gone it would say so (exit 3) before a later terminate reached it
+        run.wait(lambda: run.step() >= STEPS, RUN_TIMEOUT, "the run's last step")
         monitor.terminate()
+        run.wait(run.finished, RUN_TIMEOUT, "the run to finish")
         passed = True
     finally:
         avail.close()
