@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from etcslurm.errors import MigrationError, WaitTimeout
+from etcslurm.process_start import WorkerProcess, start_worker
 
 
 def launch(
@@ -50,8 +50,8 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="etcslurm-launch-") as tmp:
         cfg_path = Path(tmp) / "config.json"
         cfg_path.write_text(json.dumps(config))
-        procs: list[subprocess.Popen] = []
-        errs = []
+        procs: list[WorkerProcess] = []
+        errs: list[Path] = []
         child_env = dict(os.environ)
         child_env.update(
             OMP_NUM_THREADS=str(threads_per_proc),
@@ -61,19 +61,15 @@ def launch(
         )
         try:
             for index in range(nprocs):
-                err = open(Path(tmp) / f"stderr{index}.txt", "w+b")  # noqa: SIM115
+                err = Path(tmp) / f"stderr{index}.txt"
                 errs.append(err)
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable, "-m", "etcslurm.bench.worker",
-                            "--target", target, "--index", str(index), "--nprocs", str(nprocs),
-                            "--store", f"127.0.0.1:{store.port}", "--config", str(cfg_path),
-                            "--result", str(Path(tmp) / f"result{index}.json"),
-                        ],
-                        stdout=subprocess.DEVNULL, stderr=err, env=child_env,
-                    )
-                )
+                procs.append(start_worker(
+                    "etcslurm.bench.worker",
+                    ["--target", target, "--index", str(index), "--nprocs", str(nprocs),
+                     "--store", f"127.0.0.1:{store.port}", "--config", str(cfg_path),
+                     "--result", str(Path(tmp) / f"result{index}.json")],
+                    env=child_env, stdout=None, stderr=err,
+                ))
             deadline = time.monotonic() + timeout
             while True:
                 codes = [p.poll() for p in procs]
@@ -110,11 +106,9 @@ def launch(
             return results
         finally:
             _stop(procs)
-            for err in errs:
-                err.close()
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[WorkerProcess]) -> None:
     """Terminate (then kill) the workers still running, by PID."""
     for p in procs:
         if p.poll() is None:
@@ -127,10 +121,11 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=10)
 
 
-def _tail(fh: Any, n: int = 3000) -> str:
-    fh.flush()
-    fh.seek(0)
-    text = fh.read().decode(errors="replace").strip()
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        text = path.read_bytes().decode(errors="replace").strip()
+    except OSError:
+        text = ""
     lines = [_shorten(ln) for ln in text.splitlines()
              if "Warning" not in ln and "warnings.warn" not in ln]
     text = "\n".join(lines)

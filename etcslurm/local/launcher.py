@@ -14,8 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -29,7 +27,7 @@ from etcslurm.core.models import GPTSpec
 from etcslurm.errors import EtcslurmError, UsageError, WaitTimeout
 from etcslurm.groups.bounds import rendezvous_fails_within
 from etcslurm.local.schedule import ScheduledEvent, active_after, parse_schedule
-from etcslurm.parent_death import die_with_parent
+from etcslurm.process_start import WorkerProcess, start_worker
 from etcslurm.redis_host.server import BundledRedis
 from etcslurm.runtime.config import RunSettings, settled_within
 
@@ -74,7 +72,7 @@ class DemoOptions:
 class WorkerProc:
     index: int
     node: str
-    proc: subprocess.Popen[bytes]
+    proc: WorkerProcess
     log: Path
     worker_id: str | None = None
     signalled_at: float | None = None
@@ -168,18 +166,16 @@ class LocalRun:
         log = self.run_dir / f"worker-{index}.log"
         env = dict(os.environ)
         env.update(ETCSLURM_NODE=node, PYTHONUNBUFFERED="1")
-        cmd = [
-            sys.executable, "-m", self.opts.worker_module, *self.opts.worker_args,
+        argv = [
+            *self.opts.worker_args,
             "--run", self.run_id, "--redis", self.url, "--run-dir", str(self.run_dir),
             "--dead-after", str(self.opts.dead_after),
             "--collective-timeout", str(self.opts.collective_timeout),
             "--min-step-seconds", str(self.opts.min_step_seconds),
         ]
         if self.password_file:
-            cmd += ["--password-file", str(self.password_file)]
-        with log.open("wb") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                    stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+            argv += ["--password-file", str(self.password_file)]
+        proc = start_worker(self.opts.worker_module, argv, env=env, stdout=log, stderr=log)
         wp = WorkerProc(index, node, proc, log)
         self.procs.append(wp)
         self.result.pids.append(proc.pid)

@@ -211,35 +211,22 @@ def launch(
     """
     import subprocess
 
+    from etcslurm.process_start import WorkerProcess, start_worker
+
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     out = workdir / "result.json"
-    procs: list[tuple[subprocess.Popen, Path]] = []
+    procs: list[tuple[WorkerProcess, Path]] = []
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for rank in range(world):
         log = workdir / f"rank{rank}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "etcslurm.testing.megatron_selftest",
-            scenario,
-            "--rank",
-            str(rank),
-            "--world",
-            str(world),
-            "--port",
-            str(port),
-            "--out",
-            str(out),
-            *extra,
-        ]
-        with open(log, "wb") as fh:
-            # own session: cleanup reaches the rank's children too (megatron's writer)
-            proc = subprocess.Popen(
-                cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-            procs.append((proc, log))
+        argv = [scenario, "--rank", str(rank), "--world", str(world), "--port", str(port),
+                "--out", str(out), *extra]
+        # own session: cleanup reaches the rank's children too (megatron's writer)
+        proc = start_worker("etcslurm.testing.megatron_selftest", argv, env=env,
+                            stdout=log, stderr=log, new_session=True)
+        procs.append((proc, log))
     deadline = time.monotonic() + timeout_s
     failed = []
     try:
@@ -260,6 +247,7 @@ def launch(
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            proc.kill()  # in case it had not made its session yet
             proc.wait(timeout=30)
     if failed:
         tails = "\n".join(
