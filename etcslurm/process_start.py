@@ -196,6 +196,18 @@ def _run_as_main(module: str, argv: list[str], env: dict[str, str], cwd: str,
     except BaseException:  # what the interpreter prints for an uncaught exception
         traceback.print_exc()
         code = 1
+    exit_without_teardown(code)
+
+
+def exit_without_teardown(code: int) -> None:
+    """End the worker process with ``code`` once its work is done: atexit handlers run and
+    the streams are flushed, but the interpreter's final teardown is skipped.
+
+    Why: that teardown destroys what is still referenced at exit -- process groups that
+    megatron's or the optimizer's objects hold, their C++ threads -- and a gloo thread
+    destroyed while joinable aborts the process (``terminate called without an active
+    exception``, exit -6) after a run that ended well, which the launcher and Slurm then
+    take for a failed worker."""
     with contextlib.suppress(Exception):
         atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

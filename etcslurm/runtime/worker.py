@@ -9,7 +9,6 @@ ones and later joiners — trains the same model the same way.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import sys
@@ -18,6 +17,7 @@ from typing import Any
 
 from etcslurm.errors import EtcslurmError, UsageError
 from etcslurm.hooks import Hooks
+from etcslurm.process_start import exit_without_teardown
 from etcslurm.runtime.config import Builder, RunSettings, WorkerOptions
 
 
@@ -157,25 +157,6 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None,
     from etcslurm.runtime.session import run_worker
 
     return run_worker(settings, options, train_step=train_step, build=build, hooks=hooks)
-
-
-def exit_without_teardown(code: int) -> None:
-    """End the worker process with ``code`` once its work is done: atexit handlers run and
-    the streams are flushed, but the interpreter's final teardown is skipped.
-
-    Why: that teardown destroys what is still referenced at exit -- process groups that
-    megatron's or the optimizer's objects hold, their C++ threads -- and a gloo thread
-    destroyed while joinable aborts the process (``terminate called without an active
-    exception``, exit -6) after a run that ended well, which the launcher and Slurm then
-    take for a failed worker."""
-    import atexit
-
-    with contextlib.suppress(Exception):
-        atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from etcslurm.runtime.worker import exit_without_teardown
+    from etcslurm.process_start import exit_without_teardown
 
     exit_without_teardown(main())
