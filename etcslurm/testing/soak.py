@@ -115,6 +115,8 @@ class Chaos:
         self.records: dict[int, dict[str, Any]] = {}
         self.stalled: str | None = None
         self._last_step = 0
+        #: the step at which each worker not in the world was first seen registered
+        self._standby_since: dict[str, int] = {}
         self._then: Callable[[LocalRun], bool] | None = None
 
     # ---- when to strike ---------------------------------------------------------------
@@ -131,9 +133,24 @@ class Chaos:
         if any(wp.signalled_at is not None and wp.proc.poll() is None for wp in run.procs):
             return False  # a leaver, a drained or killed worker has not exited yet
         placed = set(rec.workers_by_rank()) | set(rec.idle)
-        if any(wp.worker_id not in placed for wp in self._live(run)):
+        outside = [wp.worker_id for wp in self._live(run) if wp.worker_id not in placed]
+        if outside and not self._standbys(run, outside):
             return False  # a joiner is not in yet
         return run.step >= self._last_step + self.opts.gap_steps
+
+    def _standbys(self, run: LocalRun, outside: list[str | None]) -> bool:
+        """Whether every worker outside the world is a standby: registered, and left out
+        by the leader's boundaries for ``gap_steps`` steps since (no layout takes it in:
+        the global batch fits no wider DP, or an operator's layout is in force)."""
+        if None in outside:
+            return False  # not registered yet
+        registered = run.coord.live_members()
+        for worker in outside:
+            if worker not in registered:
+                return False
+            self._standby_since.setdefault(str(worker), run.step)
+        return all(run.step >= self._standby_since[str(w)] + self.opts.gap_steps
+                   for w in outside)
 
     def __call__(self, run: LocalRun) -> None:
         rec = record(run)
@@ -158,10 +175,10 @@ class Chaos:
 
     # ---- what to strike with ----------------------------------------------------------
     def _draw(self, run: LocalRun) -> str:
-        live = len(self._live(run))
+        live, in_world = len(self._live(run)), len(self._in_world(run))
         kinds = [k for k in WEIGHTS
                  if (k != "join" or live < self.opts.max_workers)
-                 and live - DEPARTS.get(k, 0) >= self.opts.min_workers]
+                 and in_world - DEPARTS.get(k, 0) >= self.opts.min_workers]
         return self.rng.choices(kinds, weights=[WEIGHTS[k] for k in kinds])[0]
 
     def _in_world(self, run: LocalRun) -> list[WorkerProc]:
