@@ -140,6 +140,21 @@ def start_worker(module: str, argv: Sequence[str], *, env: Mapping[str, str],
     return started
 
 
+def stop_template() -> None:
+    """Stop the template process and the resource tracker its workers share (a later
+    start makes new ones).  Why: a worker that was SIGKILLed leaves its named semaphores
+    (``/dev/shm/sem.mp-*``, from the queues of megatron's checkpoint writer) registered
+    with that tracker, which unlinks them when it stops; call this when no forked worker
+    is alive any more, e.g. before counting what a run left behind."""
+    from multiprocessing import forkserver, resource_tracker
+
+    if any(p.poll() is None for p in _started):
+        raise RuntimeError("stop_template: forked workers are still running")
+    forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+    _started.clear()
+
+
 def _kill_leftovers() -> None:
     """At the starter's exit, what a worker started with ``exec`` gets from its parent's
     death (SIGKILL), before multiprocessing would wait for it."""

@@ -104,3 +104,49 @@ def test_writer_results_manager_dies_with_a_killed_trainer() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+_WRITER_CHILD = """
+import sys, time
+from etcslurm.megatron.cpu_shim import install_if_needed
+install_if_needed()
+from etcslurm.baseline.checkpoint import CheckpointMigrator
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+import torch.distributed as dist
+migrator = CheckpointMigrator(async_writer=True)
+migrator.start_writer()  # before any process group exists, as a worker before it joins
+caller = migrator._queue.persistent_caller
+assert not dist.is_initialized() and filesystem_async._results_queue is not None
+print(caller.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_periodic_writer_starts_before_the_worker_joins_and_dies_with_it() -> None:
+    """A worker starts its checkpoint writer (megatron's persistent writer, a spawned
+    interpreter) before it takes part in any world: a joiner's first save then does not
+    hold its peers past the collective timeout while the writer imports torch; and the
+    writer still dies with a killed worker."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import pids_alive
+
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER_CHILD], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        writer = int(proc.stdout.readline())
+        assert pids_alive([writer]) == [writer]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        end = time.monotonic() + 20
+        while pids_alive([writer]) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert pids_alive([writer]) == [], "the writer outlived its killed worker"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

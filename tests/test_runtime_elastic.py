@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from etcslurm.local.launcher import LOSS_TOLERANCE, DemoOptions, run_demo
+from etcslurm.testing.fault_harness import faults
 from tests.helpers import pids_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(1200)]
@@ -34,14 +35,20 @@ def _data_positions(run_dir: Path, steps: int, global_batch: int) -> None:
 
 
 def test_leave_join_leave_matches_reference(redis_url: str, run_id: str, tmp_path: Path) -> None:
-    # joiners need ~15 s to import torch + megatron-core on 2 busy cores and are sent home
-    # if the run ends first: they are spawned at step 4 of 20, and steps last >= 1.5 s, so
-    # they have >= 24 s (a CI run where they had 8 unpaced steps saw them miss the run)
-    steps, gb = 20, 12
-    opts = DemoOptions(workers=4, steps=steps, schedule="2:leave=1;4:join=2;14:leave=2",
+    # the run holds after step 4 until both joiners have registered (the testing worker's
+    # hold): then the change that takes them in always comes before the second leave,
+    # on a loaded host too, and no step needs pacing for them
+    steps, gb = 12, 12
+    opts = DemoOptions(workers=4, steps=steps, schedule="2:leave=1;3:join=2;8:leave=2",
                        redis=redis_url, run_id=run_id, run_dir=str(tmp_path), global_batch=gb,
-                       keep_keys_s=5, min_step_seconds=1.5)
-    result = run_demo(opts)
+                       keep_keys_s=5, **faults(hold={"step": 4, "file": str(tmp_path / "go"),
+                                                      "timeout": 240.0}))
+
+    def tick(run: Any) -> None:
+        if len(run.by_worker) >= 6:
+            (tmp_path / "go").touch()
+
+    result = run_demo(opts, on_tick=tick)
     gens = result.generations
     assert (gens[0]["kind"], gens[0]["to"]) == ("start", "tp1pp1dp4")
     assert all(g["kind"] == "resize" for g in gens[1:]), gens

@@ -142,6 +142,29 @@ class CheckpointMigrator:
         self._writer_started = False
         self._save_strategies: dict[tuple, Any] = {}
 
+    def start_writer(self) -> None:
+        """Start the persistent writer and its results queue now, outside any collective.
+
+        Why: megatron starts both at a process's first asynchronous save, then waits for
+        the fresh writer (a spawned interpreter importing torch and megatron-core) to stage
+        the tensors.  A rank that joined since the last save waited there ~10 s on a loaded
+        host while its peers, whose writers were warm, timed out in the next collective."""
+        import logging
+        import multiprocessing
+
+        import torch
+        from megatron.core.dist_checkpointing.strategies import async_utils
+
+        results_queue_dying_with_us()
+        caller = self._queue._get_async_caller()
+        if caller.process is None:
+            device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+            level = logging.getLogger(async_utils.__name__).getEffectiveLevel()
+            caller.process = multiprocessing.get_context("spawn").Process(
+                target=async_utils.PersistentAsyncCaller.async_loop,
+                args=(device, caller.queue, caller.preload_q, caller.comp_q, level))
+            caller.process.start()
+
     # ------------------------------------------------------------------ save
     def _save_strategy(self, trainee: Trainee) -> Any:
         from megatron.core import parallel_state

@@ -21,16 +21,20 @@ def persistent_writer_loop(*args: Any, **kwargs: Any) -> None:
     device count of 1) in the writer first, then megatron's own loop; and the writer exits
     when its trainer process dies.
     """
+    import multiprocessing
     import threading
 
+    # the trainer's PID as it started this process (not read after the imports below: a
+    # trainer killed while they ran would leave an orphan that takes init for its parent)
+    started_by = multiprocessing.parent_process()
+    parent = started_by.pid if started_by is not None and started_by.pid else os.getppid()
+    die_with_parent(parent=parent)
     import torch
 
     from etcslurm.megatron import cpu_shim
 
     if cpu_shim.install_if_needed():
         torch.cuda.device_count = lambda: 1
-    parent = os.getppid()
-    die_with_parent(parent=parent)
     forked_children_die_with_us()  # the workers megatron's writer forks for each save
 
     def _exit_with_parent() -> None:

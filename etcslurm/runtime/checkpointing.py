@@ -146,6 +146,7 @@ class Periodic:
         if self.pending is not None:
             log.warning("periodic checkpoint of step %s abandoned", self.pending["step"])
             world.abandon_checkpoint()
+            world.prepare_checkpoints()  # the next save's writer, warm before it is due
         self.pending = None
 
     def _complete(self, rank: int) -> None:

@@ -206,6 +206,7 @@ class ElasticSession:
         if self.settings.checkpoint_every:
             self.ctx.periodic = checkpointing.Periodic(opts, self.settings.checkpoint_every,
                                                        self.settings.checkpoint_keep)
+            world.prepare_checkpoints()
         if self.settings.model is None:  # a user's model already built by others
             shapes = coord.shapes()
             if shapes is not None:

@@ -272,13 +272,21 @@ class World:
 
         CheckpointMigrator(async_writer=False).save(trainee, save_dir)
 
-    def save_async(self, trainee: Any, save_dir: Path) -> None:
-        """Start a periodic checkpoint into ``save_dir`` (megatron-core's persistent async
-        writer; the tracker moves once it is complete)."""
+    def prepare_checkpoints(self) -> None:
+        """Start the periodic checkpoints' writer before this worker takes part in a
+        world: every rank's first save then finds its writer warm, and none holds the
+        others past the collective timeout while its writer starts."""
         if self._periodic is None:
             from etcslurm.baseline.checkpoint import CheckpointMigrator
 
             self._periodic = CheckpointMigrator(async_writer=True)
+            self._periodic.start_writer()
+
+    def save_async(self, trainee: Any, save_dir: Path) -> None:
+        """Start a periodic checkpoint into ``save_dir`` (megatron-core's persistent async
+        writer; the tracker moves once it is complete)."""
+        self.prepare_checkpoints()
+        assert self._periodic is not None
         self._periodic.save_async(trainee, save_dir)
 
     def checkpoint_poll(self, blocking: bool) -> bool:

@@ -36,6 +36,7 @@ import numpy as np
 from etcslurm.coord.records import ChangeRequest
 from etcslurm.errors import EtcslurmError
 from etcslurm.local.launcher import DemoOptions, LocalRun, WorkerFailed, WorkerProc, run_demo
+from etcslurm.process_start import forking, stop_template
 from etcslurm.redis_host.server import BundledRedis
 from etcslurm.testing.fault_harness import record, run_events
 
@@ -350,6 +351,8 @@ def soak(opts: SoakOptions, progress: Callable[[str], None] | None = None) -> di
         server.stop()
     wall = time.perf_counter() - t0
     time.sleep(0.5)  # the last exits reaped
+    if forking():  # what the killed workers left with the shared resource tracker
+        stop_template()
     pids = result.pids if result is not None else []
     records = chaos.records.values()
     missing = [int((r.get("plan_stats") or {}).get("missing_bytes") or 0) for r in records]
