@@ -1,7 +1,6 @@
 """``python -m etcslurm.testing.worker --faults JSON [worker options]``: the runtime worker
 (:mod:`etcslurm.runtime.worker`, same options) with fault hooks built from ``JSON``
-(:func:`etcslurm.testing.faults.hooks_from_json`), on the test network's node of
-``$ETCSLURM_NODE`` with ``--netns PREFIX`` (:mod:`etcslurm.testing.netns`).
+(:func:`etcslurm.testing.faults.hooks_from_json`).
 
 The fault tests start it through the launcher
 (``DemoOptions(worker_module="etcslurm.testing.worker", worker_args=("--faults", ...))``);
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from etcslurm.errors import EtcslurmError
@@ -26,14 +24,7 @@ def main(argv: list[str] | None = None) -> int:
                     "runtime worker's: python -m etcslurm.runtime.worker --help).")
     parser.add_argument("--faults", default="{}",
                         help=f"JSON object with keys from {', '.join(FAULT_KEYS)}")
-    parser.add_argument("--netns", default=None, metavar="PREFIX",
-                        help="enter network namespace PREFIX + $ETCSLURM_NODE first "
-                             "(etcslurm.testing.netns)")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if args.netns:
-        from etcslurm.testing.netns import enter
-
-        enter(args.netns + os.environ["ETCSLURM_NODE"])
     try:
         spec = json.loads(args.faults)
         hooks = hooks_from_json(spec)
