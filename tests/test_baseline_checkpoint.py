@@ -78,9 +78,9 @@ time.sleep(600)
 """
 
 
-def test_writer_results_manager_dies_with_a_killed_trainer() -> None:
-    """megatron's results-queue manager (a spawned server) must not outlive a trainer that
-    is killed: it used to be left behind, ~270 MB each, after every killed run."""
+def _child_dies_with_killed_parent(code: str, within_s: float) -> bool:
+    """Run ``code`` (which prints the PID of a process it started), SIGKILL it, and say
+    whether that process was gone within ``within_s``."""
     import os
     import signal
     import subprocess
@@ -89,21 +89,27 @@ def test_writer_results_manager_dies_with_a_killed_trainer() -> None:
 
     from tests.helpers import pids_alive
 
-    proc = subprocess.Popen([sys.executable, "-c", _MANAGER_CHILD], stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
-        manager = int(proc.stdout.readline())
-        assert pids_alive([manager]) == [manager]
+        child = int(proc.stdout.readline())
+        assert pids_alive([child]) == [child]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        end = time.monotonic() + 10
-        while pids_alive([manager]) and time.monotonic() < end:
+        end = time.monotonic() + within_s
+        while pids_alive([child]) and time.monotonic() < end:
             time.sleep(0.1)
-        assert pids_alive([manager]) == [], "the manager outlived its killed trainer"
+        return pids_alive([child]) == []
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_writer_results_manager_dies_with_a_killed_trainer() -> None:
+    """megatron's results-queue manager (a spawned server) must not outlive a trainer that
+    is killed: it used to be left behind, ~270 MB each, after every killed run."""
+    assert _child_dies_with_killed_parent(_MANAGER_CHILD, 10), \
+        "the manager outlived its killed trainer"
 
 
 _WRITER_CHILD = """
@@ -127,26 +133,5 @@ def test_the_periodic_writer_starts_before_the_worker_joins_and_dies_with_it() -
     interpreter) before it takes part in any world: a joiner's first save then does not
     hold its peers past the collective timeout while the writer imports torch; and the
     writer still dies with a killed worker."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tests.helpers import pids_alive
-
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER_CHILD], stdout=subprocess.PIPE,
-                            text=True)
-    try:
-        assert proc.stdout is not None
-        writer = int(proc.stdout.readline())
-        assert pids_alive([writer]) == [writer]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        end = time.monotonic() + 20
-        while pids_alive([writer]) and time.monotonic() < end:
-            time.sleep(0.1)
-        assert pids_alive([writer]) == [], "the writer outlived its killed worker"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    assert _child_dies_with_killed_parent(_WRITER_CHILD, 20), \
+        "the writer outlived its killed worker"
