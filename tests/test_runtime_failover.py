@@ -1,4 +1,4 @@
-"""The elastic runtime through a hard loss of the coordinator's primary (issue 16).
+"""The elastic runtime through a hard loss of the coordinator's primary.
 
 A replicated coordinator on 127.0.0.1 (a primary + 2 replicas + 3 Sentinels: the
 ``sites`` fixture of ``tests/test_coord_failover.py``, ``down-after`` 800 ms); a real

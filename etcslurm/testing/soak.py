@@ -61,6 +61,9 @@ class SoakOptions:
     #: steps trained after a fault settled before the next one strikes
     gap_steps: int = 2
     min_step_seconds: float = 0.25
+    #: samples per step: 60 splits evenly over every world of 1..6 workers, so a joiner
+    #: always finds a layout that takes it in (with 12, a fifth worker waits outside)
+    global_batch: int = 60
     checkpoint_every: int = 10
     model: str = "gpt-tiny"
     #: a fault that has not settled after this long stops the injection (reported)
@@ -177,6 +180,12 @@ class Chaos:
     # ---- what to strike with ----------------------------------------------------------
     def _draw(self, run: LocalRun) -> str:
         live, in_world = len(self._live(run)), len(self._in_world(run))
+        assert run.record is not None
+        if run.record.requested and live > in_world:
+            # an operator's layout keeps a joiner out until the operator lets go of it:
+            # the next change hands the layout back to the policy, before the joiner's
+            # wait for a place runs out
+            return "resize"
         kinds = [k for k in WEIGHTS
                  if (k != "join" or live < self.opts.max_workers)
                  and in_world - DEPARTS.get(k, 0) >= self.opts.min_workers]
@@ -332,7 +341,7 @@ def soak(opts: SoakOptions, progress: Callable[[str], None] | None = None) -> di
         workers=opts.workers, model=opts.model, steps=steps, schedule="", redis=server.url,
         password_file=str(server.password_file), run_id=f"soak-{opts.seed}-{os.getpid()}",
         run_dir=str(run_dir), min_step_seconds=opts.min_step_seconds,
-        checkpoint_every=opts.checkpoint_every, timeout=opts.timeout, reference=True,
+        global_batch=opts.global_batch, checkpoint_every=opts.checkpoint_every, timeout=opts.timeout, reference=True,
         keep_keys_s=600.0,
     )
     error, result, events = None, None, []
