@@ -104,7 +104,7 @@ OFFLINE = [
     ("ep-zero", ["plan", *MOE, "--from", "tp1pp1dp4ep0", "--to", "tp1pp1dp4"], USAGE,
      "at least 1"),
     ("ep-malformed", ["plan", *MOE, "--from", "tp1pp1dp4ep", "--to", "tp1pp1dp4"], USAGE,
-     "tp<N>pp<N>dp<N>[ep<N>]"),
+     "tp<N>[cp<N>]pp<N>[vpp<N>]dp<N>[ep<N>]"),
     ("bench-ep-does-not-divide-dp", ["bench", "migrate", *MOE, "--from", "tp1pp1dp4ep4",
                                      "--to", "tp1pp1dp3ep4", "--leave", "3"], USAGE,
      "ep=4 does not divide dp=3"),

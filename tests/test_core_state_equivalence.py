@@ -27,6 +27,11 @@ MOE = GPTSpec.parse("moe-tiny")
 MOE_BF16 = GPTSpec(**{**MOE.to_json(), "name": "", "dtype": "bfloat16"})
 MOE_GELU = GPTSpec(layers=2, hidden=64, heads=4, ffn=96, vocab=1000, seq=16, experts=4, topk=2,
                    bias=False, expert_ffn=48)
+LLAMA = GPTSpec(**{**GPTSpec.parse("llama-tiny").to_json(), "name": "", "dtype": "bfloat16"})
+UNEVEN = GPTSpec(layers=6, hidden=64, heads=4, ffn=128, vocab=1000, seq=16,
+                 first_stage_layers=1, last_stage_layers=1)
+UNEVEN_V = GPTSpec(layers=8, hidden=64, heads=4, ffn=128, vocab=1000, seq=16,
+                   first_stage_layers=2, last_stage_layers=2)
 CASES = [
     (SPEC, "tp2pp2dp1", "adam"),
     (SPEC, "tp2pp2dp1", "distributed"),
@@ -41,6 +46,17 @@ CASES = [
     # ungated experts, expert_ffn != ffn; TP stays 1 for MoE on CPU (sequence parallelism
     # needs Apex norms: megatron.model.moe_layout_problem), benchmarks/gpu_check.sh has TP 2
     (MOE_GELU, "tp1pp1dp4ep2", "distributed"),
+    # an interleaved pipeline: two model chunks per rank, each with its own DDP buffer
+    (SPEC, "tp1pp2vpp2dp2", "distributed"),
+    (SPEC, "tp2pp2vpp2dp1", "adam"),
+    (LLAMA, "tp1pp2vpp2dp2", "distributed"),
+    # context parallel: weights replicated over CP, the optimizer sharded over DP x CP
+    (SPEC, "tp1cp2pp1dp2", "distributed"),
+    (SPEC, "tp2cp2pp1dp1", "distributed"),
+    (UNTIED, "tp1cp2pp2dp1", "distributed"),
+    # uneven stages (1, 2, 2, 1 layers), and with two chunks per stage (1+1, 1+1, ...)
+    (UNEVEN, "tp1pp4dp1", "distributed"),
+    (UNEVEN_V, "tp1pp4vpp2dp1", "adam"),
 ]
 VOCAB_TP = 8  # the adapter pads the vocabulary for TP 8 in every layout
 
@@ -58,7 +74,7 @@ result = []
 for gen, (spec, layout, opt) in enumerate(cases):
     cfg = ParallelConfig.parse(layout)
     init_parallel(cfg, rank, 4, store, gen, backend="gloo", timeout_s=120)
-    trainee = build_gpt(GPTSpec.from_json(spec), cfg, optimizer=opt)
+    trainee = build_gpt(GPTSpec.from_json(spec), cfg, optimizer=opt, state_only=cfg.cp > 1)
     result.append([p.to_json() for p in local_state(trainee).pieces])
 teardown()
 json.dump(result, open(out, "w"))

@@ -44,7 +44,7 @@ def running(redis_url: str, run_id: str):
 
 
 @pytest.mark.parametrize(("args", "needle"), [
-    (["--to", "tp2x"], "is not of the form tp<N>pp<N>dp<N>"),
+    (["--to", "tp2x"], "is not of the form tp<N>[cp<N>]pp<N>"),
     (["--to", "tp1pp3dp1"], "layers=4 is not divisible by pp=3"),
     (["--to", "tp1pp1dp8"], "global batch 12 does not split over dp=8"),
     (["--to", "tp1pp1dp6"], "needs 6 workers; the run has 4 live"),

@@ -135,7 +135,7 @@ class MigrateRequest:
             "seed": self.seed,
             "steps_before": self.steps_before,
             "steps_after": self.steps_after,
-            "global_batch": self.global_batch or math.lcm(old.dp, new.dp),
+            "global_batch": self.global_batch or default_global_batch(old, new),
             # bounds a round's send + receive staging (the planner's message cap is half
             # of it, less alignment and checksum words: core.plan.message_cap)
             "staging_bytes": staging,
@@ -397,3 +397,13 @@ def _after_steps(new: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 else:
                     total[key] = total.get(key, 0) + value
     return out
+
+
+def default_global_batch(*layouts: ParallelConfig) -> int:
+    """The smallest batch every layout splits evenly over its DP ranks, with at least
+    ``pp`` micro-batches per DP rank where the pipeline is interleaved (megatron's
+    interleaved schedule runs no fewer)."""
+    batch = math.lcm(*(c.dp for c in layouts))
+    while any(c.vpp > 1 and batch // c.dp < c.pp for c in layouts):
+        batch += math.lcm(*(c.dp for c in layouts))
+    return batch

@@ -1,10 +1,19 @@
-"""Hybrid-parallel layouts (TP x PP x DP, with expert parallelism for MoE models) in
-megatron-core's rank order: their text form, rank coordinates and validity.
+"""Hybrid-parallel layouts (TP x CP x PP x DP, with an interleaved pipeline and expert
+parallelism for MoE models) in megatron-core's rank order: their text form, rank
+coordinates and validity.
 
-Rank order is megatron-core's default ``tp-cp-ep-dp-pp`` with cp = 1, i.e.
-``rank = tp + TP * (dp + DP * pp)``: TP neighbours are adjacent ranks (so a TP group sits
-inside a node when ``TP`` divides the GPUs per node), and DP replicas of one pipeline stage
-follow each other.
+Text: ``tp{T}[cp{C}]pp{P}[vpp{V}]dp{D}[ep{E}][etp{X}]``; an omitted size is 1 (``etp``:
+equal to ``tp``, the only expert tensor parallelism etcslurm has).  Rank order is
+megatron-core's default ``tp-cp-ep-dp-pp``, i.e.
+``rank = tp + TP * (cp + CP * (dp + DP * pp))``: TP neighbours are adjacent ranks (so a TP
+group sits inside a node when ``TP`` divides the GPUs per node), then the context-parallel
+ranks of a sequence, and DP replicas of one pipeline stage follow each other.
+
+Context parallelism (``cp``) splits each sequence over ``cp`` ranks: the weights are
+replicated over them, and megatron's distributed optimizer shards its buffers over the
+``dp * cp`` ranks of a stage (index ``cp + CP * dp``), so a CP change moves optimizer
+shards though no weight moves.  An interleaved pipeline (``vpp`` > 1) gives each stage
+``vpp`` non-contiguous chunks of layers (:mod:`etcslurm.core.stages`).
 
 Expert parallelism (``tp1pp1dp4ep2``) is megatron-core's: the dense parts are laid out as
 above; the experts of every MoE layer are split over ``ep`` ranks, which are consecutive
@@ -23,12 +32,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from etcslurm.core.models import GPTSpec
+from etcslurm.core.stages import split_problems
 from etcslurm.errors import LayoutError
 
 if TYPE_CHECKING:
     from etcslurm.core.layout_choice import LayoutRules
 
-_TEXT = re.compile(r"^tp(\d+)pp(\d+)dp(\d+)(?:ep(\d+))?$")
+_TEXT = re.compile(
+    r"^tp(\d+)(?:cp(\d+))?pp(\d+)(?:vpp(\d+))?dp(\d+)(?:ep(\d+))?(?:etp(\d+))?$")
+_FORM = "tp<N>[cp<N>]pp<N>[vpp<N>]dp<N>[ep<N>][etp<N>] (e.g. tp2pp2dp4, tp8cp2pp4vpp5dp8)"
 
 
 class RankCoord(NamedTuple):
@@ -48,17 +60,20 @@ class ExpertCoord(NamedTuple):
 
 @dataclass(frozen=True, order=True)
 class ParallelConfig:
-    """Tensor-, pipeline-, data- and expert-parallel sizes; text form ``tp2pp2dp4`` (and
-    ``tp1pp1dp4ep2`` when ``ep`` > 1).  ``ep`` splits a MoE model's experts over
-    consecutive DP ranks; it must divide ``dp``."""
+    """Tensor-, pipeline-, data-, expert- and context-parallel sizes and the virtual
+    pipeline size; text form ``tp2pp2dp4`` (``tp1pp1dp4ep2`` when ``ep`` > 1,
+    ``tp8cp2pp4vpp5dp8`` with context parallelism and an interleaved pipeline).  ``ep``
+    splits a MoE model's experts over consecutive DP ranks; it must divide ``dp``."""
 
     tp: int
     pp: int
     dp: int
     ep: int = 1
+    cp: int = 1
+    vpp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "ep"):
+        for name in ("tp", "pp", "dp", "ep", "cp", "vpp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"layout: {name} must be a positive integer, got {value!r}")
@@ -67,18 +82,24 @@ class ParallelConfig:
     def parse(cls, text: str) -> ParallelConfig:
         match = _TEXT.match(text.strip().lower())
         if not match:
-            raise LayoutError(
-                f"layout {text!r} is not of the form tp<N>pp<N>dp<N>[ep<N>] (e.g. tp2pp2dp4, "
-                "tp1pp1dp4ep2)"
-            )
-        tp, pp, dp, ep = (int(g) if g is not None else 1 for g in match.groups())
-        if min(tp, pp, dp, ep) < 1:
+            raise LayoutError(f"layout {text!r} is not of the form {_FORM}")
+        tp, cp, pp, vpp, dp, ep = (int(g) if g is not None else 1 for g in match.groups()[:6])
+        if min(tp, cp, pp, vpp, dp, ep) < 1:
             raise LayoutError(f"layout {text!r}: every size must be at least 1")
-        return cls(tp, pp, dp, ep)
+        etp = match.group(7)
+        if etp is not None and int(etp) != tp:
+            raise LayoutError(
+                f"layout {text!r}: etp={etp} differs from tp={tp}; etcslurm shards experts "
+                "with the tensor-parallel size (expert tensor parallelism apart from TP is "
+                "not supported)"
+            )
+        return cls(tp, pp, dp, ep, cp, vpp)
 
     def __str__(self) -> str:
-        text = f"tp{self.tp}pp{self.pp}dp{self.dp}"
-        return f"{text}ep{self.ep}" if self.ep > 1 else text
+        cp = f"cp{self.cp}" if self.cp > 1 else ""
+        vpp = f"vpp{self.vpp}" if self.vpp > 1 else ""
+        ep = f"ep{self.ep}" if self.ep > 1 else ""
+        return f"tp{self.tp}{cp}pp{self.pp}{vpp}dp{self.dp}{ep}"
 
     @property
     def edp(self) -> int:
@@ -92,22 +113,32 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def coord(self, rank: int) -> RankCoord:
-        """The (tp, pp, dp) coordinate of a global rank."""
+        """The (tp, pp, dp) coordinate of a global rank (its CP rank: :meth:`cp_rank`)."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside {self} (world size {self.world_size})")
         tp = rank % self.tp
-        dp = (rank // self.tp) % self.dp
-        pp = rank // (self.tp * self.dp)
+        dp = (rank // (self.tp * self.cp)) % self.dp
+        pp = rank // (self.tp * self.cp * self.dp)
         return RankCoord(tp, pp, dp)
 
-    def rank_of(self, tp: int, pp: int, dp: int) -> int:
-        """The global rank of a coordinate (inverse of :meth:`coord`)."""
-        if not (0 <= tp < self.tp and 0 <= pp < self.pp and 0 <= dp < self.dp):
-            raise LayoutError(f"coordinate tp={tp} pp={pp} dp={dp} is outside {self}")
-        return tp + self.tp * (dp + self.dp * pp)
+    def cp_rank(self, rank: int) -> int:
+        """Which part of each sequence a global rank holds (0 without CP)."""
+        return (rank // self.tp) % self.cp
+
+    def shard_rank(self, rank: int) -> int:
+        """A rank's index among the ``dp * cp`` ranks of its (tp, pp) that megatron's
+        distributed optimizer shards over (``cp + CP * dp``, rank order)."""
+        return self.cp_rank(rank) + self.cp * self.coord(rank).dp
+
+    def rank_of(self, tp: int, pp: int, dp: int, cp: int = 0) -> int:
+        """The global rank of a coordinate (inverse of :meth:`coord` and :meth:`cp_rank`)."""
+        if not (0 <= tp < self.tp and 0 <= pp < self.pp and 0 <= dp < self.dp
+                and 0 <= cp < self.cp):
+            raise LayoutError(f"coordinate tp={tp} cp={cp} pp={pp} dp={dp} is outside {self}")
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def problems(self, spec: GPTSpec | None = None, world_size: int | None = None) -> list[str]:
         """Everything that makes this layout unusable (empty when valid)."""
@@ -116,10 +147,13 @@ class ParallelConfig:
             out.append(f"{self} needs {self.world_size} devices, not {world_size}")
         if self.dp % self.ep:
             out.append(f"ep={self.ep} does not divide dp={self.dp}")
+        if self.cp > 1 and self.ep > 1:
+            out.append("context parallelism with expert parallelism is not supported")
         if spec is not None:
             out.extend(spec.tp_problems(self.tp))  # heads, query groups, ffn
-            if spec.layers % self.pp:
-                out.append(f"layers={spec.layers} is not divisible by pp={self.pp}")
+            out.extend(split_problems(spec, self.pp, self.vpp))  # layers over pp x vpp
+            if spec.seq % (2 * self.cp) and self.cp > 1:
+                out.append(f"seq={spec.seq} is not divisible by 2*cp={2 * self.cp}")
             out.extend(spec.ep_problems(self.ep))  # a MoE model, experts divisible
         return out
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from etcslurm.core.models import MAKE_VOCAB_SIZE_DIVISIBLE_BY, GPTSpec
+from etcslurm.core.stages import stage_layer_count
 from etcslurm.core.state import dtype_bytes
 from etcslurm.errors import UsageError
 
@@ -134,9 +135,8 @@ def _pad(n: int, divisor: int) -> int:
 
 
 def _stage_layers(spec: GPTSpec, cfg: ParallelConfig, pp_rank: int) -> int:
-    """Transformer layers on pipeline stage ``pp_rank`` (even stages)."""
-    del pp_rank
-    return spec.layers // cfg.pp
+    """Transformer layers on pipeline stage ``pp_rank`` (uneven stages included)."""
+    return stage_layer_count(spec, cfg.pp, pp_rank)
 
 
 def _layer_elements(spec: GPTSpec, cfg: ParallelConfig) -> tuple[int, int]:

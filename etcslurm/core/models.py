@@ -26,7 +26,9 @@ Text forms (``GPTSpec.parse``): a preset name, or comma-separated ``key=value`` 
 ``layers, hidden, heads, vocab, seq`` required and optional ``ffn`` (default 4*hidden),
 ``tied=0|1``, ``groups=N``, ``glu=0|1``, ``act=gelu|silu``, ``norm=layernorm|rmsnorm``,
 ``pos=learned|rope``, ``bias=0|1``, ``dtype=fp32|bf16``, ``rope_base=N``,
-``experts=N``, ``topk=N``, ``expert_ffn=N`` (alias ``moe_ffn``), ``swiglu=1`` (shorthand for ``glu=1,act=silu``).  ``str(spec)`` writes the non-default fields only, so
+``experts=N``, ``topk=N``, ``expert_ffn=N`` (alias ``moe_ffn``), ``swiglu=1`` (shorthand
+for ``glu=1,act=silu``), ``first_stage_layers=N``, ``last_stage_layers=N`` (uneven
+pipeline stages, :mod:`etcslurm.core.stages`).  ``str(spec)`` writes the non-default fields only, so
 the GPT forms of older versions read and print unchanged.
 """
 
@@ -85,6 +87,11 @@ class GPTSpec:
     topk: int = 2
     #: hidden size of one expert's MLP (``moe_ffn_hidden_size``); ``None`` → ``ffn``
     expert_ffn: int | None = None
+    #: uneven pipeline stages (megatron's ``num_layers_in_first_pipeline_stage`` /
+    #: ``..._last_...``): the layers of the first / last stage whenever pp > 1 (the
+    #: embedding and output stages carry fewer); ``None``: even stages
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
         for name in (*_INT_KEYS, "rope_base"):
@@ -115,6 +122,18 @@ class GPTSpec:
         for name in ("tied_embeddings", "gated", "bias"):
             object.__setattr__(self, name, bool(getattr(self, name)))
         self._check_experts()
+        self._check_stages()
+
+    def _check_stages(self) -> None:
+        sizes = [getattr(self, n) for n in ("first_stage_layers", "last_stage_layers")]
+        for name, value in zip(("first_stage_layers", "last_stage_layers"), sizes, strict=True):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value <= 0):
+                raise UsageError(f"model spec: {name} must be a positive integer, got {value!r}")
+        if sum(v or 0 for v in sizes) > self.layers:
+            raise UsageError(
+                f"model spec: first_stage_layers + last_stage_layers exceed layers={self.layers}"
+            )
 
     def _check_experts(self) -> None:
         for name in ("experts", "topk"):
@@ -213,6 +232,9 @@ class GPTSpec:
             extra.append(f"experts={self.experts},topk={self.topk}")
             if self.expert_ffn != self.ffn:
                 extra.append(f"expert_ffn={self.expert_ffn}")
+        for name in ("first_stage_layers", "last_stage_layers"):
+            if getattr(self, name) is not None:
+                extra.append(f"{name}={getattr(self, name)}")
         return ",".join([text, *extra])
 
     def to_json(self) -> dict:
@@ -331,6 +353,8 @@ _TEXT_KEYS: dict[str, tuple[str, type]] = {
     "dtype": ("dtype", str), "rope_base": ("rope_base", int),
     "experts": ("experts", int), "topk": ("topk", int), "expert_ffn": ("expert_ffn", int),
     "moe_ffn": ("expert_ffn", int),
+    "first_stage_layers": ("first_stage_layers", int),
+    "last_stage_layers": ("last_stage_layers", int),
 }
 
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import GPTSpec
+from etcslurm.core.stages import uneven
 from etcslurm.errors import UsageError
 from etcslurm.megatron import cpu_shim
 from etcslurm.megatron.adam_state import init_optimizer_state
@@ -215,6 +216,13 @@ def transformer_config(spec: GPTSpec, config: ParallelConfig, dtype: torch.dtype
         normalization=spec.norm,
         tensor_model_parallel_size=config.tp,
         pipeline_model_parallel_size=config.pp,
+        # the local layer spec's attention refuses context parallelism (only Transformer
+        # Engine's has it), and no param depends on it: the model is built without, and
+        # parallel_state's DP x CP groups still shard DDP and the distributed optimizer
+        context_parallel_size=1,
+        virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
+        num_layers_in_first_pipeline_stage=uneven(spec, config.pp)[0],
+        num_layers_in_last_pipeline_stage=uneven(spec, config.pp)[1],
         use_cpu_initialization=True,
         perform_initialization=True,
         hidden_dropout=0.0,
@@ -312,8 +320,13 @@ def build_gpt(
     seed: int = 1234,
     dtype: torch.dtype | str | None = None,
     hyper: TrainHyper | None = None,
+    state_only: bool = False,
 ) -> Trainee:
     """Model chunks (DDP-wrapped), megatron optimizer and LR scheduler for this rank.
+
+    ``state_only``: the model holds and exchanges state but is never trained -- the one
+    way to build a context-parallel layout here (the local layer spec's attention has no
+    CP; its state is megatron's all the same, see :func:`transformer_config`).
 
     ``parallel_state`` must already be initialised for ``config``
     (:func:`etcslurm.megatron.parallel.init_parallel`).  Same ``seed`` → same global
@@ -337,40 +350,58 @@ def build_gpt(
         parallel_state.get_tensor_model_parallel_world_size() != config.tp
         or parallel_state.get_pipeline_model_parallel_world_size() != config.pp
         or parallel_state.get_expert_model_parallel_world_size() != config.ep
+        or parallel_state.get_context_parallel_world_size() != config.cp
+        or (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) != config.vpp
     ):
         raise UsageError(f"parallel_state is not initialised for {config}")
     problem = moe_layout_problem(spec, config)
     if problem:
         raise UsageError(problem)
+    if config.cp > 1 and not state_only:
+        raise UsageError(
+            f"{config}: context parallelism trains only with Transformer Engine's attention; "
+            "etcslurm's model uses megatron-core's local layer spec, whose attention has none "
+            "(a CP layout's state is planned and migrated all the same: etcslurm plan)"
+        )
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     tcfg = transformer_config(spec, config, dtype)
-    with _marks_only() if _FILLED_LATER.get() else contextlib.nullcontext():
-        gpt = GPTModel(
-            config=tcfg,
-            transformer_layer_spec=layer_spec(spec),
-            vocab_size=padded_vocab(spec, config.tp),
-            max_sequence_length=spec.seq,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=spec.tied_embeddings,
-            position_embedding_type="rope" if spec.position == "rope" else "learned_absolute",
-            rotary_base=spec.rope_base,
-        )
-    if dtype != torch.float32:
-        # torch norms are created fp32 whatever params_dtype says; Megatron-LM casts the
-        # whole module (Float16Module), so one DDP buffer holds every param
-        gpt = gpt.to(dtype)
-    gpt.to(cpu_shim.device())
+    chunks = []
+    # an interleaved pipeline: one GPTModel per virtual stage, in chunk order (as
+    # Megatron-LM's get_model builds them); megatron needs vp_stage only when vpp > 1
+    for v in range(config.vpp):
+        vp = v if config.vpp > 1 else None
+        with _marks_only() if _FILLED_LATER.get() else contextlib.nullcontext():
+            gpt = GPTModel(
+                config=tcfg,
+                transformer_layer_spec=layer_spec(spec),
+                vocab_size=padded_vocab(spec, config.tp),
+                max_sequence_length=spec.seq,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp is None,
+                                                                   vp_stage=vp),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp is None,
+                                                                   vp_stage=vp),
+                share_embeddings_and_output_weights=spec.tied_embeddings,
+                position_embedding_type=("rope" if spec.position == "rope"
+                                         else "learned_absolute"),
+                rotary_base=spec.rope_base,
+                vp_stage=vp,
+            )
+        if dtype != torch.float32:
+            # torch norms are created fp32 whatever params_dtype says; Megatron-LM casts
+            # the whole module (Float16Module), so one DDP buffer holds every param
+            gpt = gpt.to(dtype)
+        chunks.append(gpt.to(cpu_shim.device()))
     t_gpt = time.perf_counter()
-    trainee = wrap_gpt(gpt, tcfg, spec, config, optimizer, seed, dtype, hyper)
+    trainee = wrap_gpt(chunks if len(chunks) > 1 else chunks[0], tcfg, spec, config,
+                       optimizer, seed, dtype, hyper)
     trainee.timings["build_model_s"] = t_gpt - t0 + trainee.timings.pop("wrap_model_s")
     return trainee
 
 
 def wrap_gpt(
-    gpt: torch.nn.Module,
+    gpt: torch.nn.Module | list[torch.nn.Module],
     tcfg: Any,
     spec: GPTSpec,
     config: ParallelConfig,
@@ -387,6 +418,8 @@ def wrap_gpt(
     Why a function of its own: a data-parallel-only resize keeps the ``GPTModel`` (no
     parameter changes place) and only needs these rebuilt for the new data-parallel
     groups (:mod:`etcslurm.megatron.regroup`); :func:`build_gpt` calls it after building.
+    ``gpt``: one model, or an interleaved pipeline's chunks (only the first is bucketed,
+    as Megatron-LM's ``get_model`` wraps them).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -400,13 +433,17 @@ def wrap_gpt(
         use_distributed_optimizer=distributed,
         check_for_nan_in_grad=False,
     )
-    model = [DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=gpt)]
+    chunks = gpt if isinstance(gpt, list) else [gpt]
+    model = [DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=chunk,
+                                     disable_bucketing=v > 0)
+             for v, chunk in enumerate(chunks)]
     # as megatron-LM's training loop does: without these the schedule never reduces
     # gradients over DP nor the tied embedding/output weights between first and last stage
     from megatron.core.distributed import finalize_model_grads
 
     tcfg.finalize_model_grads_func = finalize_model_grads
-    tcfg.no_sync_func = model[0].no_sync
+    tcfg.no_sync_func = ([m.no_sync for m in model] if len(model) > 1
+                         else model[0].no_sync)
     t_model = time.perf_counter()
     ocfg = OptimizerConfig(
         optimizer="adam",

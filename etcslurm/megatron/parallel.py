@@ -105,6 +105,8 @@ def init_model_parallel(config: ParallelConfig, timeout_s: float = DEFAULT_TIMEO
             tensor_model_parallel_size=config.tp,
             pipeline_model_parallel_size=config.pp,
             expert_model_parallel_size=config.ep,
+            context_parallel_size=config.cp,
+            virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
             distributed_timeout_minutes=max(1, int(timeout_s // 60)),
             # the default backend is gloo already: megatron's extra gloo groups would only
             # double the groups (and threads) per rebuild

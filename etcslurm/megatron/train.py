@@ -64,7 +64,14 @@ def num_microbatches(trainee: Trainee) -> int:
             f"global batch {hyper.global_batch} is not a multiple of dp={dp} × micro batch "
             f"{hyper.micro_batch}"
         )
-    return hyper.global_batch // (dp * hyper.micro_batch)
+    n = hyper.global_batch // (dp * hyper.micro_batch)
+    pp, vpp = trainee.config.pp, trainee.config.vpp
+    if vpp > 1 and n < pp:
+        raise LayoutError(
+            f"{trainee.config}: an interleaved pipeline runs at least pp={pp} micro-batches "
+            f"per DP rank, global batch {hyper.global_batch} gives {n}"
+        )
+    return n
 
 
 def _loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -107,7 +114,11 @@ def train_step(trainee: Trainee, data_seed: int | None = None) -> float:
     forward_backward = get_forward_backward_func()
     losses = forward_backward(
         forward_step_func=_forward_step,
-        data_iterator=micro_batches(trainee, trainee.iteration, data_seed),
+        # an interleaved pipeline's chunks each read the step's micro-batches in order
+        data_iterator=(micro_batches(trainee, trainee.iteration, data_seed)
+                       if len(trainee.model) == 1 else
+                       [micro_batches(trainee, trainee.iteration, data_seed)
+                        for _ in trainee.model]),
         model=trainee.model,
         num_microbatches=n_micro,
         seq_length=spec.seq,

@@ -8,7 +8,10 @@ layout: params in *reverse* order, each start padded to 64 elements, buckets pad
 ``lcm(dp, 128)``, the shared embedding in its own bucket when PP > 1; each param's owned
 ``flattened_range`` becomes pieces via :func:`~etcslurm.core.state.flat_range_boxes` (keys
 as the ``fully_sharded_model_space`` format names them).  A MoE model with EP > 1 keeps its
-experts in a second buffer, sharded over expert DP.
+experts in a second buffer, sharded over expert DP.  With context parallelism the dense
+buffer is sharded over the ``dp * cp`` ranks of a stage; an interleaved pipeline's model
+chunks each have buffers of their own (only the first chunk's are bucketed, as Megatron-LM
+disables bucketing for the others).
 """
 
 from __future__ import annotations
@@ -69,9 +72,11 @@ def buffer_layout(
     return buckets, [index[i] for i in range(len(params))]
 
 
-def ddp_bucket_size(dp: int, pp_rank: int, overlap_grad_reduce: bool) -> int | None:
-    """megatron DDP's bucket size: none without overlap or on stages after the first."""
-    if not overlap_grad_reduce or pp_rank > 0:
+def ddp_bucket_size(dp: int, pp_rank: int, overlap_grad_reduce: bool,
+                    chunk: int = 0) -> int | None:
+    """megatron DDP's bucket size: none without overlap, on stages after the first or
+    for model chunks after the first (``dp``: the group the buffer is sharded over)."""
+    if not overlap_grad_reduce or pp_rank > 0 or chunk > 0:
         return None
     return max(40_000_000, 1_000_000 * dp)
 
@@ -80,15 +85,19 @@ def shard_block(
     spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int, dp_rank: int,
     params_dtype: str, overlap_grad_reduce: bool, vocab_pad_tp: int | None,
 ) -> tuple[Piece, ...]:
-    """The distributed optimizer's ZeRO-1 shard of one (tp, pp, dp) rank: of the dense
-    buffer (sharded over DP) and, for a MoE model, of the expert buffer (sharded over
-    expert DP)."""
-    out = _buffer_shard(spec, cfg, tp_rank, pp_rank, dp_rank, params_dtype,
-                        overlap_grad_reduce, vocab_pad_tp, expert=False)
-    if spec.moe and cfg.ep > 1:
-        ep_rank, edp_rank = divmod(dp_rank, cfg.ep)[::-1]
-        out += _buffer_shard(spec, cfg, tp_rank, pp_rank, edp_rank, params_dtype,
-                             overlap_grad_reduce, vocab_pad_tp, expert=True, ep_rank=ep_rank)
+    """The distributed optimizer's ZeRO-1 shard of one rank, every model chunk's: of the
+    dense buffer (sharded over DP x CP; ``dp_rank`` is the rank's index there,
+    :meth:`ParallelConfig.shard_rank`) and, for a MoE model, of the expert buffer (sharded
+    over expert DP)."""
+    out: tuple[Piece, ...] = ()
+    for chunk in range(cfg.vpp):
+        out += _buffer_shard(spec, cfg, tp_rank, pp_rank, dp_rank, params_dtype,
+                             overlap_grad_reduce, vocab_pad_tp, expert=False, chunk=chunk)
+        if spec.moe and cfg.ep > 1:
+            ep_rank, edp_rank = divmod(dp_rank, cfg.ep)[::-1]
+            out += _buffer_shard(spec, cfg, tp_rank, pp_rank, edp_rank, params_dtype,
+                                 overlap_grad_reduce, vocab_pad_tp, expert=True,
+                                 ep_rank=ep_rank, chunk=chunk)
     return out
 
 
@@ -102,16 +111,16 @@ def _in_expert_buffer(param: ParamDef, cfg: ParallelConfig) -> bool:
 def _buffer_shard(
     spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int, dp_rank: int,
     params_dtype: str, overlap_grad_reduce: bool, vocab_pad_tp: int | None, *,
-    expert: bool, ep_rank: int = 0,
+    expert: bool, ep_rank: int = 0, chunk: int = 0,
 ) -> tuple[Piece, ...]:
     """One DP rank's ZeRO-1 shard of one DDP buffer (``dp_rank``: in the buffer's group)."""
     params = [p for p in cached_stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp,
-                                             ep_rank)
+                                             ep_rank, chunk)
               if _in_expert_buffer(p, cfg) == expert]
     kinds = opt_kinds("distributed", params_dtype)
     buckets, _, order, starts, ends = _buffer_layout_cached(
-        spec, cfg, pp_rank, overlap_grad_reduce, vocab_pad_tp, expert)
-    group = cfg.edp if expert else cfg.dp
+        spec, cfg, pp_rank, overlap_grad_reduce, vocab_pad_tp, expert, chunk)
+    group = _shard_group(cfg, expert)
     out: list[Piece] = []
     for b_start, b_end in buckets:
         shard = (b_end - b_start) // group
@@ -130,15 +139,21 @@ def _buffer_shard(
     return tuple(out)
 
 
+def _shard_group(cfg: ParallelConfig, expert: bool) -> int:
+    """How many ranks a buffer is sharded over: expert DP, or the stage's DP x CP."""
+    return cfg.edp if expert else cfg.dp * cfg.cp
+
+
 @lru_cache(maxsize=256)
-def _buffer_layout_cached(spec, cfg, pp_rank, overlap_grad_reduce, vocab_pad_tp, expert=False):
+def _buffer_layout_cached(spec, cfg, pp_rank, overlap_grad_reduce, vocab_pad_tp, expert=False,
+                          chunk=0):
     # sizes do not depend on the TP or EP rank, so rank 0 stands for all; a MoE model's
     # DDP keeps its expert params in a buffer of their own, sharded over expert DP
-    params = [p for p in stage_params(spec, cfg, 0, pp_rank, vocab_pad_tp)
+    params = [p for p in stage_params(spec, cfg, 0, pp_rank, vocab_pad_tp, chunk=chunk)
               if _in_expert_buffer(p, cfg) == expert]
-    group = cfg.edp if expert else cfg.dp
+    group = _shard_group(cfg, expert)
     buckets, index = buffer_layout(
-        params, group, ddp_bucket_size(cfg.dp, pp_rank, overlap_grad_reduce))
+        params, group, ddp_bucket_size(cfg.dp * cfg.cp, pp_rank, overlap_grad_reduce, chunk))
     # DistributedOptimizer order: buckets in order, params by buffer position
     order = sorted(range(len(params)), key=lambda i: index[i][0])
     starts = [index[i][0] for i in order]

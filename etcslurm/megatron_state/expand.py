@@ -12,7 +12,9 @@ new layout's model exists.  ``tests/test_core_state_equivalence.py`` and
   shard of the DDP buffers (:mod:`etcslurm.megatron_state.buffers`).
 
 Ranks with identical holdings share a *class* (plain Adam: one per (tp, pp), MoE: per
-(tp, pp, ep); distributed: one per (tp, pp, dp)), which is what keeps the planner fast.
+(tp, pp, ep); distributed: one per rank), which is what keeps the planner fast.  A rank of
+an interleaved pipeline holds all its model chunks' pieces; a context-parallel rank the
+same params as its CP peers and its own shard of the DP x CP-sharded buffers.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def rank_pieces(
         block = _model_block(spec, cfg, c.tp, c.pp, optimizer, params_dtype, vocab_pad_tp,
                              cfg.expert_coord(rank).ep)
         return list(block)
-    return list(_class_pieces(spec, cfg, c.tp, c.pp, c.dp if optimizer == "distributed" else None,
+    shard = cfg.shard_rank(rank) if optimizer == "distributed" else None
+    return list(_class_pieces(spec, cfg, c.tp, c.pp, shard,
                               optimizer, params_dtype, overlap_grad_reduce, vocab_pad_tp))
 
 
@@ -152,7 +155,7 @@ def expand(
     else:
         for rank in range(cfg.world_size):
             c = cfg.coord(rank)
-            blocks.append(shard_block(spec, cfg, c.tp, c.pp, c.dp, params_dtype,
+            blocks.append(shard_block(spec, cfg, c.tp, c.pp, cfg.shard_rank(rank), params_dtype,
                                        overlap_grad_reduce, vocab_pad_tp))
             class_blocks.append((block_of(rank), len(blocks) - 1))
             rank_class.append(rank)

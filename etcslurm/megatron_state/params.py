@@ -20,6 +20,7 @@ from functools import lru_cache
 
 from etcslurm.core.layout import ParallelConfig
 from etcslurm.core.models import MAKE_VOCAB_SIZE_DIVISIBLE_BY, GPTSpec
+from etcslurm.core.stages import chunk_layers
 from etcslurm.core.state import flat_range_boxes
 
 #: etcslurm's megatron adapter builds every layout with the vocabulary pre-padded for TP 8
@@ -95,10 +96,11 @@ def _split(extent: int, tp: int, tp_rank: int) -> tuple[int, int]:
 
 def stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int,
                  vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
-                 ep_rank: int = 0) -> list[ParamDef]:
+                 ep_rank: int = 0, chunk: int | None = None) -> list[ParamDef]:
     """Parameters of one (tp, pp) rank -- for a MoE model, of one (tp, pp, ep) rank -- in
-    ``model.named_parameters()`` order (cached)."""
-    return list(cached_stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp, ep_rank))
+    ``model.named_parameters()`` order (cached); ``chunk``: only that model chunk of an
+    interleaved pipeline (None: all of the rank's chunks, chunk 0 first)."""
+    return list(cached_stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp, ep_rank, chunk))
 
 
 def _gated(key: str, lay: tuple[int, int], rows: int, tp: int, tp_rank: int,
@@ -140,9 +142,12 @@ def _moe_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, ep_rank: int,
 @lru_cache(maxsize=1024)
 def cached_stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int,
                         vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
-                        ep_rank: int = 0) -> tuple[ParamDef, ...]:
+                        ep_rank: int = 0, chunk: int | None = None) -> tuple[ParamDef, ...]:
     """Parameters of one (tp, pp) rank in ``model.named_parameters()`` order (one tuple
-    per rank, shared: :func:`stage_params` gives a list).
+    per rank, shared: :func:`stage_params` gives a list).  An interleaved pipeline's rank
+    holds ``vpp`` model chunks, each a model of its own (its own DDP buffer): ``chunk``
+    picks one, None gives all of them in chunk order.  The embedding sits in chunk 0 of
+    the first stage, the final norm and output layer in the last chunk of the last.
 
     ``vocab_pad_tp``: see :func:`padded_vocab`.  Follows megatron-core 0.16.1's local
     layer spec: per layer ``input_layernorm`` (checkpointed as
@@ -152,9 +157,12 @@ def cached_stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_ran
     ``linear_fc2``; biases and norm biases only when the spec has them.  A MoE layer has
     the router and this EP rank's experts in place of ``linear_fc1``/``linear_fc2``.
     """
+    if chunk is None:
+        return tuple(p for v in range(cfg.vpp) for p in cached_stage_params(
+            spec, cfg, tp_rank, pp_rank, vocab_pad_tp, ep_rank, v))
     h, f, tp = spec.hidden, spec.ffn, cfg.tp
     vocab = padded_vocab(spec, tp, vocab_pad_tp)
-    first, last = pp_rank == 0, pp_rank == cfg.pp - 1
+    first, last = pp_rank == 0 and chunk == 0, pp_rank == cfg.pp - 1 and chunk == cfg.vpp - 1
     bias, norm_bias = spec.bias, spec.norm_has_bias
     q_rows, qkv_rows = spec.heads * spec.kv_channels, spec.qkv_rows
 
@@ -169,9 +177,8 @@ def cached_stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_ran
         if spec.position == "learned":
             out.append(ParamDef("embedding.position_embeddings.weight",
                                 (full(spec.seq), full(h))))
-    per_stage = spec.layers // cfg.pp
     attn, mlp = "decoder.layers.self_attention.", "decoder.layers.mlp."
-    for layer in range(pp_rank * per_stage, (pp_rank + 1) * per_stage):
+    for layer in chunk_layers(spec, cfg.pp, cfg.vpp, pp_rank, chunk):
         lay = (layer, layer + 1)
         out.append(ParamDef(attn + "linear_qkv.layer_norm_weight", (lay, full(h))))
         if norm_bias:
