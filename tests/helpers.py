@@ -55,6 +55,63 @@ def job_state(job_id: str) -> str:
     return done.stdout.strip().split("\n")[0]
 
 
+def cluster_state() -> str:
+    """squeue and sinfo as one text, for a failure message: which jobs hold or wait for
+    which nodes, and why a node takes no job (down, drained and the reason)."""
+    parts = []
+    for cmd in (("squeue", "-h", "-t", "all", "-o", "%i %P %j %T %R"),
+                ("sinfo", "-h", "-N", "-o", "%N %P %t %E")):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+        parts.append(f"$ {' '.join(cmd)}\n{(done.stdout + done.stderr).strip()}")
+    return "\n".join(parts)
+
+
+def settle_jobs(job_ids: list[str], timeout: float = 120.0) -> None:
+    """Cancel ``job_ids`` and wait (bounded) until none holds a node any more, so the next
+    test starts on free nodes: a cancelled job's processes may take a while to end on a
+    loaded host, and its node takes no job until they have."""
+    if not job_ids:
+        return
+    subprocess.run(["scancel", *job_ids], capture_output=True, timeout=30, check=False)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        done = subprocess.run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i"],
+                              capture_output=True, text=True, timeout=30, check=False)
+        if done.returncode or not done.stdout.strip():  # ended, or forgotten already
+            return
+        time.sleep(1)
+
+
+#: node states (sinfo's compact ones) that take a job at once
+_FREE = {"idle"}
+#: why a lab node may be out of service after a loaded test (a job's processes took longer
+#: to die than UnkillableStepTimeout, or slurmd was too busy to answer): not a lasting
+#: fault on this one-host cluster, so the node is put back into service
+_TRANSIENT = ("Kill task failed", "Not responding", "Node unexpectedly rebooted")
+
+
+def free_nodes(partition: str, count: int, timeout: float = 300.0) -> list[str]:
+    """Wait until ``count`` nodes of ``partition`` are idle (the jobs of earlier tests
+    ended); a node a loaded earlier test took out of service is resumed.  Fails with the
+    cluster's state, which names what holds the nodes."""
+    end = time.monotonic() + timeout
+    while True:
+        done = subprocess.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t|%E"],
+                              capture_output=True, text=True, timeout=30, check=True)
+        rows = [ln.split("|", 2) for ln in done.stdout.split("\n") if ln.strip()]
+        idle = sorted({n for n, state, _ in rows if state in _FREE})
+        if len(idle) >= count:
+            return idle
+        for node, state, reason in rows:
+            if state.startswith(("drain", "drng", "down")) and reason.startswith(_TRANSIENT):
+                subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"],
+                               capture_output=True, timeout=30, check=False)
+        if time.monotonic() > end:
+            raise AssertionError(f"{count} idle nodes of {partition} not there after "
+                                 f"{timeout:.0f} s (idle: {idle})\n{cluster_state()}")
+        time.sleep(1)
+
+
 def generation_record(
     n: int, layout: str, workers: list[str], nodes: dict[str, str] | None = None, *,
     from_layout: str | None = None, leaving: tuple[str, ...] = (),

@@ -54,6 +54,8 @@ SAMPLES = {
     "run.standby": {"reason": "64 devices: no layout fits", "devices": 64},
     "error": {"message": "boom", "worker": "w2"},
     "job.requeued": {"worker": "w1", "job": "123"},
+    "coordinator.back": {"worker": "w1", "unreachable_s": 31.2, "failed_calls": 1,
+                         "kept_events": 9},
     "node.released": {"worker": "w3", "reason": "draining (maintenance)",
                       "node": "n1", "budget_s": 90.0},
     "autogrow": {"action": "submit", "reason": "2 idle nodes in debug", "jobs": ["41"],

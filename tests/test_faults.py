@@ -12,10 +12,8 @@ completes with the same losses as a run that never resized, and nothing hangs.
 from __future__ import annotations
 
 import inspect
-import itertools
 import json
 import os
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -249,14 +247,14 @@ def test_training_goes_on_while_redis_is_unreachable_for_30_s(
     _assert_completed(row, 12)
     assert _kinds(row) == [("start", None, "tp1pp1dp3")]  # no resize, nobody lost
     assert row.detail["steps_during_outage"] >= 3, row.detail
-    # the first step after the outage began waited one socket timeout at most (the first
-    # call that met the hung server; reachability is then judged by the heartbeat), not
-    # the call's retry deadline nor a socket timeout per call: bounded by the step time
-    # of this same run, since under CI's load a step takes seconds
-    steps = sorted(e["ts"] for e in row.events if e["type"] == "step")
-    interval = statistics.median([b - a for a, b in itertools.pairwise(steps)])
-    bound = SOCKET_TIMEOUT + 2 * interval + 2.0
-    assert row.recover_s is not None and row.recover_s < bound, (row.recover_s, interval)
+    # one call met the hung server (rank 0's; reachability is then judged by the
+    # heartbeat, so no later step waits for a socket timeout), not one per step or call;
+    # rank 0 kept the events of the steps trained meanwhile and sent them once it answered
+    (back,) = row.detail["coordinator_back"]
+    assert back["failed_calls"] == 1, back
+    assert back["kept_events"] >= row.detail["steps_during_outage"], (back, row.detail)
+    # no step waited for the server to answer again
+    assert row.recover_s is not None and row.recover_s < row.detail["outage_s"], row.recover_s
     assert all(code == 0 for code in row.result.exit_codes.values())
 
 

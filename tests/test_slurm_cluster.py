@@ -6,7 +6,6 @@ to checkpoint + requeue.  Timing tolerances follow slurmctld's 30 s timer (desig
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ import pytest
 from etcslurm.cli import main as cli_main
 from etcslurm.slurm.submission import submit
 from etcslurm.testing import probe
-from tests.helpers import job_state, sh, wait_for
+from tests.helpers import job_state, settle_jobs, sh, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.waits]
 SLURM_TIMER = 30.0  # slurmctld checks signals/time limits/grace every 30 s
@@ -47,8 +46,7 @@ def jobs(slurm_cluster: str) -> Iterator[list[str]]:
     """Job ids a test submitted; cancelled afterwards whatever happened."""
     ids: list[str] = []
     yield ids
-    if ids:
-        subprocess.run(["scancel", *ids], capture_output=True, timeout=30, check=False)
+    settle_jobs(ids)
 
 
 def test_elastic_template_runs_workers_with_right_environment(jobs: list[str], tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ from etcslurm.core.models import GPTSpec
 from etcslurm.local.launcher import LOSS_TOLERANCE, DemoOptions, run_demo
 from etcslurm.runtime.config import RunSettings
 from etcslurm.slurm.submission import grow, submit
-from tests.helpers import job_state, sh
+from tests.helpers import cluster_state, free_nodes, job_state, settle_jobs, sh
 from tests.helpers import wait_for as _wait_for
 
 # the runs train real models on 2 shared cores: allow more than the default 600 s
@@ -131,7 +131,13 @@ class Run:
         def check() -> Any:
             self.poll()
             return pred()
-        return wait_for(check, timeout, f"{what} (run {self.run_id} at step {self.step()})", every=0.1)
+        try:
+            return wait_for(check, timeout, f"{what} (run {self.run_id} at step {self.step()})",
+                            every=0.1)
+        except AssertionError as exc:  # say who was there and what Slurm did meanwhile
+            members = {w: {k: i.get(k) for k in ("state", "alive", "node", "slurm_job")}
+                       for w, i in self.coord.members().items()}
+            raise AssertionError(f"{exc}\nmembers: {members}\n{cluster_state()}") from None
 
     def world(self) -> dict[str, Any]:
         rec = self.coord.current_generation()
@@ -183,6 +189,14 @@ def check_data_once(run_dir: Path, steps: int = STEPS) -> dict[int, int]:
     return dp
 
 
+def _log_tail(path: Path, chars: int = 3000) -> str:
+    """The end of a job's output without the libraries' import warnings (they would fill
+    the excerpt a failure shows)."""
+    lines = [ln for ln in path.read_text(errors="replace").splitlines()
+             if "Warning" not in ln and "warnings.warn" not in ln]
+    return "\n".join(lines)[-chars:]
+
+
 # ---------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def partition(slurm_cluster: str) -> Iterator[str]:
@@ -201,23 +215,41 @@ def partition(slurm_cluster: str) -> Iterator[str]:
 
 @pytest.fixture
 def jobs(partition: str) -> Iterator[list[str]]:
-    """Job ids a test submitted; cancelled afterwards whatever happened."""
+    """Job ids a test submitted; cancelled afterwards whatever happened.  The test starts
+    once every node of the partition is idle (it submits one job per node)."""
+    free_nodes(partition, len(sh("sinfo", "-h", "-N", "-p", partition, "-o", "%N").split()))
     ids: list[str] = []
     yield ids
-    if ids:
-        subprocess.run(["scancel", *ids], capture_output=True, timeout=30, check=False)
+    settle_jobs(ids)
+
+
+#: the reference's steps: the longest run of these modules (test_slurm_ops); its first
+#: steps are those of a shorter run's reference (the learning-rate schedule does not
+#: depend on the run's length)
+REFERENCE_STEPS = 70
+_reference: dict[int, float] = {}
+
+
+def reference_losses(redis_url: str, tmp_path_factory: pytest.TempPathFactory,
+                     steps: int) -> dict[int, float]:
+    """Loss per step of one local worker that never resizes (same run spec), trained once
+    for every module that checks against it."""
+    assert steps <= REFERENCE_STEPS, steps
+    if not _reference:
+        out = tmp_path_factory.mktemp("reference")
+        res = run_demo(DemoOptions(workers=1, schedule="", model=MODEL, steps=REFERENCE_STEPS,
+                                   global_batch=GLOBAL_BATCH, seed=SEED, gpus_per_node=1,
+                                   redis=redis_url, run_id=f"ref-{out.name}",
+                                   run_dir=str(out), reference=False, timeout=RUN_TIMEOUT,
+                                   keep_keys_s=0))
+        assert sorted(res.losses) == list(range(1, REFERENCE_STEPS + 1))
+        _reference.update(res.losses)
+    return {s: loss for s, loss in _reference.items() if s <= steps}
 
 
 @pytest.fixture(scope="module")
 def reference(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    """Loss per step of one local worker that never resizes (same run spec)."""
-    out = tmp_path_factory.mktemp("reference")
-    res = run_demo(DemoOptions(workers=1, schedule="", model=MODEL, steps=STEPS,
-                               global_batch=GLOBAL_BATCH, seed=SEED, gpus_per_node=1,
-                               redis=redis_url, run_id=f"ref-{out.name}", run_dir=str(out),
-                               reference=False, timeout=RUN_TIMEOUT, keep_keys_s=0))
-    assert sorted(res.losses) == list(range(1, STEPS + 1))
-    return res.losses
+    return reference_losses(redis_url, tmp_path_factory, STEPS)
 
 
 # ---------------------------------------------------------------------------- tests
@@ -292,7 +324,7 @@ def test_readme_slurm_section_runs_as_written(
     finally:
         if not passed:
             for out in sorted(run_dir.glob("*.out")):
-                print(f"---- {out.name}\n{out.read_text()[-3000:]}")
+                print(f"---- {out.name}\n{_log_tail(out)}")
             _stop_sites(run_dir / f"coordinator-{job}", jobs)
     assert before < grown["step"] < STEPS, "the grown generation trained"
     diff = check_losses(run, reference)

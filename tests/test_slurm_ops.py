@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from etcslurm.local.launcher import DemoOptions, run_demo
 from tests.helpers import job_state, sh
 from tests.test_slurm_elastic import (
     GLOBAL_BATCH,
@@ -35,6 +34,7 @@ from tests.test_slurm_elastic import (
     check_data_once,
     check_losses,
     partition,  # noqa: F401 (a fixture)
+    reference_losses,
     wait_for,
 )
 
@@ -49,12 +49,7 @@ HIGH_SLEEP = 20  # seconds the high job holds the two preempted nodes
 
 @pytest.fixture(scope="module")
 def reference(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    out = tmp_path_factory.mktemp("reference-ops")
-    res = run_demo(DemoOptions(workers=1, schedule="", model=MODEL, steps=STEPS,
-                               global_batch=GLOBAL_BATCH, seed=SEED, gpus_per_node=1,
-                               redis=redis_url, run_id=f"ref-{out.name}", run_dir=str(out),
-                               reference=False, timeout=RUN_TIMEOUT, keep_keys_s=0))
-    return res.losses
+    return reference_losses(redis_url, tmp_path_factory, STEPS)
 
 
 def run_file(run_id: str, redis_url: str, part: str) -> str:

@@ -383,6 +383,12 @@ class RunModel:
         who = d.worker or ev.subject()
         return "error" + (f" on {who}" if who else "") + f": {d.message}"
 
+    def _on_coordinator_back(self, ev: Event) -> Any:
+        d: rec.CoordinatorBack = ev.data  # type: ignore[assignment]
+        who = d.worker or ev.subject()
+        return (f"coordinator answers {who} again after {d.unreachable_s:.0f} s: "
+                f"{d.kept_events} events kept meanwhile, {d.failed_calls} calls met it down")
+
     def _on_job_requeued(self, ev: Event) -> Any:
         d: rec.JobRequeued = ev.data  # type: ignore[assignment]
         return f"job {d.job} requeued by {d.worker}"

@@ -59,6 +59,7 @@ class Boundary:
         self._backlog: deque[tuple[float, str, dict[str, Any]]] = deque()
         self._dropped = 0
         self._failed_at: float | None = None
+        self._outage: tuple[float, int] | None = None  # (since, calls that failed) while down
 
     # ------------------------------------------------------------------ signals
     def install(self, trap: Any) -> None:
@@ -186,6 +187,8 @@ class Boundary:
         if self._failed_at is None or self.reachable():
             log.warning("coordinator unreachable, training goes on: %s", str(exc)[:200])
         self._failed_at = time.monotonic()
+        since, calls = self._outage or (time.time(), 0)
+        self._outage = (since, calls + 1)
 
     def emit_soft(self, type: str, **data: Any) -> None:
         """An event from the training loop: kept and sent later if the coordinator is down."""
@@ -204,6 +207,7 @@ class Boundary:
                                 message=f"{self._dropped} events dropped during a "
                                         "coordinator outage")
                 self._dropped = 0
+            outage, kept = self._outage, len(self._backlog)
             while self._backlog:
                 ts, type, data = self._backlog[0]
                 try:
@@ -211,6 +215,12 @@ class Boundary:
                 except RecordError as exc:  # a malformed event is dropped, not an outage
                     log.error("event %s dropped: %s", type, exc)
                 self._backlog.popleft()
+            if outage is not None:  # what the outage cost, once it is over
+                since, calls = outage
+                self.coord.emit("coordinator.back", worker=worker, retry_s=retry_s,
+                                unreachable_s=round(time.time() - since, 3),
+                                failed_calls=calls, kept_events=kept)
+                self._outage = None
         except EtcslurmError as exc:
             if retry_s is None:
                 raise

@@ -272,7 +272,9 @@ def redis_unreachable(redis_url: str | None, pw: str | None, run_dir: Path, step
                       and window["start"] <= e["ts"] <= window["end"]]
             after = [e for e in row.events if e["type"] == "step" and e["ts"] > window["start"]]
             row.recover_s = round(after[0]["ts"] - window["start"], 2) if after else None
-            row.detail = {"steps_during_outage": len(during), "outage_s": outage}
+            back = [e["data"] for e in row.events if e["type"] == "coordinator.back"]
+            row.detail = {"steps_during_outage": len(during), "outage_s": outage,
+                          "coordinator_back": back}
             if row.outcome.startswith("completed"):
                 row.outcome += (f"; {len(during)} steps trained while it was unreachable, "
                                 "their events sent once it answered")

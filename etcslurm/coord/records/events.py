@@ -277,6 +277,21 @@ class Error(EventData):
     worker: str | None = None
 
 
+class CoordinatorBack(EventData):
+    """The coordinator answers a worker again after an outage.  ``failed_calls``: the calls
+    of that worker that met it unreachable (one: reachability is then judged by the
+    heartbeat, so no later step waits for it); ``kept_events``: the events kept meanwhile,
+    sent now with their own times."""
+
+    TYPE: ClassVar[str] = "coordinator.back"
+    WHAT: ClassVar[str] = "coordinator.back event"
+
+    worker: str | None
+    unreachable_s: Number
+    failed_calls: int
+    kept_events: int
+
+
 class JobRequeued(EventData):
     """A worker asked Slurm to requeue its job after the whole-run checkpoint."""
 
@@ -310,7 +325,7 @@ EVENT_TYPES: dict[str, type[EventData]] = {
     for c in (WorkerRegistered, WorkerState, WorkerGone, WorkerSignal, NodeReleased,
               ChangeRequested, GenerationStart, MigrationRebuild, MigrationProgress,
               MigrationDone, Step, RunEnd, RunRollback, RunStandby, Error, JobRequeued,
-              Autogrow, CheckpointRequested, CheckpointSaving)
+              Autogrow, CheckpointRequested, CheckpointSaving, CoordinatorBack)
 }
 
 
