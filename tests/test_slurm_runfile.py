@@ -333,3 +333,40 @@ def test_gpu_check_fails_in_one_line_without_a_gpu() -> None:
     res = subprocess.run([str(script)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 1
     assert res.stderr == "gpu_check: FAIL: no nvidia-smi: not a GPU machine (or no driver)\n"
+
+
+def test_linger_keeps_the_coordinator_until_the_other_jobs_workers_left(
+        redis_url: str, run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job hosting the coordinator waits, once the run ended, for every live member to
+    leave (bounded), and not at all while the run goes on."""
+    import threading
+
+    from etcslurm.coord.client import connect
+    from etcslurm.coord.coordinator import Coordinator
+    from etcslurm.runtime.generation import end_generation
+    from tests.helpers import generation_record
+
+    monkeypatch.setenv("ETCSLURM_REDIS_URL", redis_url)
+    monkeypatch.setenv("ETCSLURM_RUN", run_id)
+    workers = [Coordinator(connect(redis_url), run_id) for _ in range(2)]
+    ids = [w.register({"node": f"n{i}"}) for i, w in enumerate(workers)]
+    gen0 = generation_record(0, "tp1pp1dp2", ids)
+    workers[0].publish_generation(gen0)
+    try:
+        assert runfile.linger(30) == []  # the run goes on: at once
+        workers[0].publish_generation(end_generation(gen0, 5, reason="finished 5 steps"))
+        workers[0].close()
+        assert runfile.linger(0.5) == [ids[1]]  # bounded: names who is still there
+        left: list[bool] = []
+
+        def leave_later() -> None:
+            time.sleep(1.0)
+            left.append(True)
+            workers[1].close()
+        threading.Thread(target=leave_later, daemon=True).start()
+        assert runfile.linger(30) == [] and left == [True]
+        assert runfile.main(["linger", "soon"]) == 2
+    finally:
+        workers[0].end_run(keep_s=0)
+        for w in workers:
+            w.client.close()
