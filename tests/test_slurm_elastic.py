@@ -34,6 +34,7 @@ import pytest
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
 from etcslurm.core.models import GPTSpec
+from etcslurm.errors import EtcslurmError
 from etcslurm.local.launcher import LOSS_TOLERANCE, DemoOptions, run_demo
 from etcslurm.runtime.config import RunSettings
 from etcslurm.slurm.submission import grow, submit
@@ -135,8 +136,11 @@ class Run:
             return wait_for(check, timeout, f"{what} (run {self.run_id} at step {self.step()})",
                             every=0.1)
         except AssertionError as exc:  # say who was there and what Slurm did meanwhile
-            members = {w: {k: i.get(k) for k in ("state", "alive", "node", "slurm_job")}
-                       for w, i in self.coord.members().items()}
+            try:
+                members: Any = {w: {k: i.get(k) for k in ("state", "alive", "node", "slurm_job")}
+                                for w, i in self.coord.members(deadline=5).items()}
+            except EtcslurmError as unread:
+                members = f"unreadable ({unread})"
             raise AssertionError(f"{exc}\nmembers: {members}\n{cluster_state()}") from None
 
     def world(self) -> dict[str, Any]:
