@@ -15,9 +15,7 @@ import pytest
 
 from etcslurm.testing.soak import SoakOptions, soak
 
-# not marked `waits`: it keeps its workers busy, and sbin/test's lane of waiting tests
-# outlasts the others by minutes, so it runs with the CPU-bound tests
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.waits, pytest.mark.timeout(900)]
 
 EVENTS = 5
 
