@@ -16,7 +16,7 @@ from etcslurm.errors import UsageError
 from etcslurm.groups.devices import allocated_gpus, cpu_torch_problem, local_device_index
 from etcslurm.job import grace
 from etcslurm.job.environment import SlurmEnvironment
-from etcslurm.slurm import runfile
+from etcslurm.slurm import in_job, runfile
 from etcslurm.slurm.templates import templates_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,7 +189,7 @@ def test_store_spec_is_what_the_job_runs(redis_url: str, run_id: str) -> None:
     rf = runfile.load(EXAMPLE)
     spec = rf.submit_args()["fields"]["run_spec"]
     env = dict(os.environ, ETCSLURM_REDIS_URL=redis_url, ETCSLURM_RUN=run_id)
-    cmd = [sys.executable, "-m", "etcslurm.slurm.runfile", "store-spec"]
+    cmd = [sys.executable, "-m", "etcslurm.slurm.in_job", "store-spec"]
     assert subprocess.run(cmd, input=spec, env=env, text=True, timeout=60).returncode == 0
     coord = Coordinator(connect(redis_url), run_id)
     try:
@@ -353,10 +353,10 @@ def test_linger_keeps_the_coordinator_until_the_other_jobs_workers_left(
     gen0 = generation_record(0, "tp1pp1dp2", ids)
     workers[0].publish_generation(gen0)
     try:
-        assert runfile.linger(30) == []  # the run goes on: at once
+        assert in_job.linger(30) == []  # the run goes on: at once
         workers[0].publish_generation(end_generation(gen0, 5, reason="finished 5 steps"))
         workers[0].close()
-        assert runfile.linger(0.5) == [ids[1]]  # bounded: names who is still there
+        assert in_job.linger(0.5) == [ids[1]]  # bounded: names who is still there
         left: list[bool] = []
 
         def leave_later() -> None:
@@ -364,8 +364,8 @@ def test_linger_keeps_the_coordinator_until_the_other_jobs_workers_left(
             left.append(True)
             workers[1].close()
         threading.Thread(target=leave_later, daemon=True).start()
-        assert runfile.linger(30) == [] and left == [True]
-        assert runfile.main(["linger", "soon"]) == 2
+        assert in_job.linger(30) == [] and left == [True]
+        assert in_job.main(["linger", "soon"]) == 2
     finally:
         workers[0].end_run(keep_s=0)
         for w in workers:
