@@ -90,24 +90,24 @@ _FREE = {"idle"}
 _TRANSIENT = ("Kill task failed", "Not responding", "Node unexpectedly rebooted")
 
 
-def free_nodes(partition: str, count: int, timeout: float = 300.0) -> list[str]:
-    """Wait until ``count`` nodes of ``partition`` are idle (the jobs of earlier tests
-    ended); a node a loaded earlier test took out of service is resumed.  Fails with the
-    cluster's state, which names what holds the nodes."""
+def free_nodes(partition: str, count: int | None = None, timeout: float = 300.0) -> list[str]:
+    """Wait until ``count`` nodes of ``partition`` (default: all of them) are idle (the
+    jobs of earlier tests ended); a node a loaded earlier test took out of service is
+    resumed.  Fails with the cluster's state, which names what holds the nodes."""
     end = time.monotonic() + timeout
     while True:
         done = subprocess.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t|%E"],
                               capture_output=True, text=True, timeout=30, check=True)
         rows = [ln.split("|", 2) for ln in done.stdout.split("\n") if ln.strip()]
         idle = sorted({n for n, state, _ in rows if state in _FREE})
-        if len(idle) >= count:
+        if len(idle) >= (len({n for n, _, _ in rows}) if count is None else count):
             return idle
         for node, state, reason in rows:
             if state.startswith(("drain", "drng", "down")) and reason.startswith(_TRANSIENT):
                 subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"],
                                capture_output=True, timeout=30, check=False)
         if time.monotonic() > end:
-            raise AssertionError(f"{count} idle nodes of {partition} not there after "
+            raise AssertionError(f"{count or 'all'} idle nodes of {partition} not there after "
                                  f"{timeout:.0f} s (idle: {idle})\n{cluster_state()}")
         time.sleep(1)
 

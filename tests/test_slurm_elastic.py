@@ -221,7 +221,7 @@ def partition(slurm_cluster: str) -> Iterator[str]:
 def jobs(partition: str) -> Iterator[list[str]]:
     """Job ids a test submitted; cancelled afterwards whatever happened.  The test starts
     once every node of the partition is idle (it submits one job per node)."""
-    free_nodes(partition, len(sh("sinfo", "-h", "-N", "-p", partition, "-o", "%N").split()))
+    free_nodes(partition)
     ids: list[str] = []
     yield ids
     settle_jobs(ids)
@@ -628,10 +628,7 @@ def _stop_sites(coord_dir: Path, job_ids: list[str]) -> None:
     process the template's watchdog has not stopped."""
     import signal as _signal
 
-    subprocess.run(["scancel", *job_ids], capture_output=True, timeout=30, check=False)
-    end = time.monotonic() + 60
-    while time.monotonic() < end and sh("squeue", "-h", "-j", ",".join(job_ids), "-o", "%i"):
-        time.sleep(1)
+    settle_jobs(job_ids, timeout=60)
     time.sleep(2)  # the watchdog polls once a second
     for pid in _site_processes(coord_dir):
         if _alive(pid):
