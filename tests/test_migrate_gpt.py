@@ -19,13 +19,16 @@ from __future__ import annotations
 import pytest
 
 from etcslurm.bench.driver import MigrateRequest, run_many
-from etcslurm.testing.transitions import MATRIX, Case, random_cases
+from etcslurm.core.layout import ParallelConfig
+from etcslurm.testing.transitions import MATRIX, Case, random_cases, random_pipeline_cases
 
 #: a few seeds in the suite; ``benchmarks/random_transitions.py`` runs many
 RANDOM = random_cases(seed=28, count=4)
+#: the pipeline-shape class (uneven stages, interleaved chunks, tied or untied embeddings)
+PIPELINE = random_pipeline_cases(seed=31, count=4)
 #: rows that also reshard the weights with megatron-core's refit and compare (one world)
 REFIT = {"tp-shrink", "tp-to-pp-segments", "ep-shrink"}
-CASES = [*MATRIX, *RANDOM]
+CASES = [*MATRIX, *RANDOM, *PIPELINE]
 STEPS_AFTER = 3
 
 
@@ -118,8 +121,6 @@ def test_the_weights_alone_equal_refit_s_and_the_pre_migration_weights(
 def test_the_matrix_holds_every_class() -> None:
     """At least one TP-growing case per optimizer and per dtype; every dimension both
     ways; the three plan paths."""
-    from etcslurm.core.layout import ParallelConfig
-
     def grows(c: Case, dim: str) -> int:
         a, b = ParallelConfig.parse(c.source), ParallelConfig.parse(c.target)
         return (getattr(b, dim) > getattr(a, dim)) - (getattr(b, dim) < getattr(a, dim))
@@ -140,3 +141,6 @@ def test_random_transitions_are_drawn_from_their_seed() -> None:
     assert random_cases(29, 4) != RANDOM
     for c in random_cases(7, 50):
         assert c.leave or c.join or c.source != c.target
+    assert random_pipeline_cases(31, 4) == PIPELINE
+    for c in random_pipeline_cases(7, 50):
+        assert ParallelConfig.parse(c.source).pp > 1 and c.source != c.target

@@ -39,7 +39,8 @@ from typing import Any
 from etcslurm.baseline import megatron_lm
 from etcslurm.baseline.writer import results_queue_dying_with_us, route_writer_through_shim
 from etcslurm.errors import MigrationError, WaitTimeout
-from etcslurm.megatron.adam_state import fix_step_alias, patch_distopt_step_keyerror
+from etcslurm.megatron.adam_state import fix_step_alias
+from etcslurm.megatron.distopt_checkpoint import patch_distributed_optimizer_checkpointing
 from etcslurm.megatron.model import Trainee
 
 log = logging.getLogger("etcslurm.baseline")
@@ -104,6 +105,8 @@ def sharded_state(trainee: Trainee, is_loading: bool,
     metadata = _with_groups(metadata if metadata is not None else content_metadata(trainee))
     state = megatron_lm.model_state(trainee.modules(), metadata)
     if optimizer:
+        if trainee.distributed:
+            patch_distributed_optimizer_checkpointing()
         state["optimizer"] = trainee.optimizer.sharded_state_dict(
             state, is_loading=is_loading, metadata=metadata)
     if rng:
@@ -320,7 +323,7 @@ class CheckpointMigrator:
 
         target, _ = megatron_lm.resolve(path)
         if trainee.distributed:
-            patch_distopt_step_keyerror()
+            patch_distributed_optimizer_checkpointing()
         dist.barrier()
         t0 = time.perf_counter()
         common = dist_checkpointing.load_common_state_dict(str(target))

@@ -54,33 +54,3 @@ def fix_step_alias(optimizer: Any) -> int:
                 for state in states:
                     state["step"] = state["step"].clone()
     return shared
-
-
-_DISTOPT_PATCHED = False
-
-
-def patch_distopt_step_keyerror() -> None:
-    """Let DistributedOptimizer load ``fully_reshardable`` state on the torch-Adam fallback.
-
-    Why: ``_set_main_param_and_optimizer_states`` iterates the live Adam state (which has
-    ``step``) while the loaded dict has no ``step`` → ``KeyError: 'step'``.  Keys missing
-    from the source keep their live value (the scalars restore ``step`` afterwards).
-    """
-    global _DISTOPT_PATCHED
-    if _DISTOPT_PATCHED:
-        return
-    from megatron.core.optimizer import distrib_optimizer as dopt
-
-    original = dopt.DistributedOptimizer._set_main_param_and_optimizer_states
-
-    def patched(self: Any, model_param: Any, tensors: dict) -> Any:
-        gi, go = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[gi]["params"][go]
-        merged = dict(tensors)
-        for key, value in self.optimizer.state.get(main_param, {}).items():
-            if key not in merged and torch.is_tensor(value):
-                merged[key] = value.clone()
-        return original(self, model_param, merged)
-
-    dopt.DistributedOptimizer._set_main_param_and_optimizer_states = patched
-    _DISTOPT_PATCHED = True

@@ -66,6 +66,11 @@ MATRIX = (
     Case("mixed-leave-join", "gpt-tiny", "tp2pp2dp1", "tp1pp1dp4", (3,), join=1,
          optimizer="distributed"),
     Case("live-plan", "llama-tiny", "tp1pp2dp2", "tp2pp1dp2", extra={"live_plan": True}),
+    # pipeline shapes: interleaved chunks to TP; uneven stages with a tied embedding, whose
+    # stage pads its buckets (the distributed optimizer's checkpoint once misread them)
+    Case("vpp-to-tp", "llama-tiny", "tp1pp2vpp2dp2", "tp2pp2dp1", optimizer="distributed"),
+    Case("uneven-stages", "layers=6,hidden=64,heads=4,vocab=128,seq=32,first_stage_layers=1,"
+         "last_stage_layers=1", "tp1pp3dp1", "tp1pp1dp3", optimizer="distributed"),
     # mixture of experts
     Case("ep-leave", "moe-tiny", "tp1pp1dp4ep2", "tp1pp1dp2ep2", (2, 3),
          optimizer="distributed"),
@@ -115,3 +120,46 @@ def random_cases(seed: int, count: int, max_devices: int = 4) -> list[Case]:
     cases = [random_case(rng, max_devices) for _ in range(count)]
     return [replace(c, name=f"random{seed}.{k}-{c.name.removeprefix('random-')}")
             for k, c in enumerate(cases)]
+
+
+def random_pipeline_case(rng: random.Random, max_devices: int = 4) -> Case:
+    """One transition of the pipeline-shape class: a small GPT of a random depth and width,
+    tied or untied embeddings, uneven first/last stages and interleaved chunks where the
+    depth allows them, from a pipelined layout to any other layout of the devices.
+
+    Why a class of its own: what a stage holds (its layer count, a tied embedding's
+    separate bucket, a chunk's padding) decides where the distributed optimizer's buckets
+    pad, and the checkpoint path got that wrong where the random dense models never
+    looked."""
+    while True:
+        layers = rng.randint(3, 8)
+        first, last = rng.choice([(None, None), (1, None), (None, 1), (1, 1), (2, 1)])
+        hidden = rng.choice((32, 64))
+        text = (f"layers={layers},hidden={hidden},heads=4,vocab=128,seq=32,"
+                f"tied={rng.choice((0, 1))}")
+        text += "".join(f",{name}={value}" for name, value in
+                        (("first_stage_layers", first), ("last_stage_layers", last))
+                        if value is not None)
+        try:
+            spec = GPTSpec.parse(text)
+        except ValueError:
+            continue
+        n = rng.randint(2, max_devices)
+        piped = [replace(c, vpp=v) for c in valid_configs(n, spec, gpus_per_node=8)
+                 if c.pp > 1 for v in (1, 2) if not replace(c, vpp=v).problems(spec)]
+        if not piped:
+            continue
+        old = rng.choice(piped)
+        targets = [c for c in valid_configs(n, spec, gpus_per_node=8) if c != old]
+        if targets:
+            new = rng.choice(targets)
+            break
+    return Case(f"pipeline-{old}-{new}", text, str(old), str(new),
+                optimizer=rng.choice(("adam", "distributed")), dtype=rng.choice((None, "bf16")))
+
+
+def random_pipeline_cases(seed: int, count: int, max_devices: int = 4) -> list[Case]:
+    """``count`` transitions of :func:`random_pipeline_case` drawn from ``seed``."""
+    rng = random.Random(seed)
+    return [replace(c, name=f"pipeline{seed}.{k}-{c.name.removeprefix('pipeline-')}")
+            for k, c in enumerate(random_pipeline_case(rng, max_devices) for _ in range(count))]
