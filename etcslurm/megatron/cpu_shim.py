@@ -230,11 +230,12 @@ def _torch_adam_fallback() -> None:
     """
     from megatron.core.optimizer import distrib_optimizer as dopt
 
+    from etcslurm.megatron.distopt_checkpoint import patch_step_keyerror
+
     cls = dopt.DistributedOptimizer
     if dopt.HAVE_APEX_OR_TE or getattr(cls, "_etcslurm_fallback", False):
         return
     sharded_state_dict, load_state_dict = cls.sharded_state_dict, cls.load_state_dict
-    set_states = cls._set_main_param_and_optimizer_states
 
     def with_states(self: Any, *args: Any, **kwargs: Any) -> Any:
         inner = self.optimizer
@@ -245,15 +246,6 @@ def _torch_adam_fallback() -> None:
                                           exp_avg_sq=torch.zeros_like(p),
                                           step=torch.zeros((), dtype=torch.float32))
         return sharded_state_dict(self, *args, **kwargs)
-
-    def keep_missing(self: Any, model_param: Any, tensors: dict) -> Any:
-        gi, go = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[gi]["params"][go]
-        merged = dict(tensors)
-        for key, value in self.optimizer.state.get(main_param, {}).items():
-            if key not in merged and torch.is_tensor(value):
-                merged[key] = value.clone()
-        return set_states(self, model_param, merged)
 
     def own_steps(self: Any, state_dict: Any) -> Any:
         groups = (state_dict.get("optimizer") or {}).get("param_groups") or []
@@ -267,7 +259,7 @@ def _torch_adam_fallback() -> None:
         return out
 
     cls.sharded_state_dict = with_states
-    cls._set_main_param_and_optimizer_states = keep_missing
+    patch_step_keyerror(cls)
     cls.load_state_dict = own_steps
     cls._etcslurm_fallback = True
     PATCHED.append("megatron DistributedOptimizer: torch-Adam fallback load fixes")

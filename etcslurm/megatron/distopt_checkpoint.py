@@ -37,7 +37,7 @@ def patch_distributed_optimizer_checkpointing() -> None:
         return
     from megatron.core.optimizer import distrib_optimizer as dopt
 
-    _patch_step_keyerror(dopt.DistributedOptimizer)
+    patch_step_keyerror(dopt.DistributedOptimizer)
     if _megatron_version() < _OFFSETS_FIXED_IN:
         _patch_bucket_padding(dopt.DistributedOptimizer)
     _PATCHED = True
@@ -49,7 +49,11 @@ def _megatron_version() -> tuple[int, int]:
     return int(package_info.MAJOR), int(package_info.MINOR)
 
 
-def _patch_step_keyerror(cls: Any) -> None:
+def patch_step_keyerror(cls: Any) -> None:
+    """Keys missing from a loaded state keep their live value (once per class: the CPU
+    shim's torch-Adam fallback applies it too)."""
+    if getattr(cls, "_etcslurm_keeps_missing_keys", False):
+        return
     original = cls._set_main_param_and_optimizer_states
 
     def patched(self: Any, model_param: Any, tensors: dict) -> Any:
@@ -62,6 +66,7 @@ def _patch_step_keyerror(cls: Any) -> None:
         return original(self, model_param, merged)
 
     cls._set_main_param_and_optimizer_states = patched
+    cls._etcslurm_keeps_missing_keys = True
 
 
 def _patch_bucket_padding(cls: Any) -> None:
