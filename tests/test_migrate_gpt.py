@@ -24,8 +24,9 @@ from etcslurm.testing.transitions import MATRIX, Case, random_cases, random_pipe
 
 #: a few seeds in the suite; ``benchmarks/random_transitions.py`` runs many
 RANDOM = random_cases(seed=28, count=4)
-#: the pipeline-shape class (uneven stages, interleaved chunks, tied or untied embeddings)
-PIPELINE = random_pipeline_cases(seed=31, count=4)
+#: the pipeline-shape class (uneven stages, interleaved chunks, tied or untied embeddings);
+#: seed 7's first draw is one that megatron-core's uncorrected checkpoint save gets wrong
+PIPELINE = random_pipeline_cases(seed=7, count=4)
 #: rows that also reshard the weights with megatron-core's refit and compare (one world)
 REFIT = {"tp-shrink", "tp-to-pp-segments", "ep-shrink"}
 CASES = [*MATRIX, *RANDOM, *PIPELINE]
@@ -141,6 +142,6 @@ def test_random_transitions_are_drawn_from_their_seed() -> None:
     assert random_cases(29, 4) != RANDOM
     for c in random_cases(7, 50):
         assert c.leave or c.join or c.source != c.target
-    assert random_pipeline_cases(31, 4) == PIPELINE
-    for c in random_pipeline_cases(7, 50):
+    assert random_pipeline_cases(7, 4) == PIPELINE
+    for c in random_pipeline_cases(8, 50):
         assert ParallelConfig.parse(c.source).pp > 1 and c.source != c.target
