@@ -36,6 +36,10 @@ def register(sub: Any) -> None:
                    help="resizes as STEP:leave=N / STEP:join=N / STEP:kill=N, ';'-separated "
                         "(default %(default)s; '' for none)")
     p.add_argument("--optimizer", choices=("adam", "distributed"), default="adam")
+    p.add_argument("--vpp", type=int, default=1, metavar="N",
+                   help="model chunks per pipeline stage (an interleaved pipeline): the "
+                        "policy prefers layouts with pp > 1 and gives each stage N chunks "
+                        "(default 1)")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="a megatron-core checkpoint every N steps, written while training "
                         "goes on; state lost with a dead worker rolls back to the last one "
@@ -67,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         run_id=args.run_id,
         optimizer=args.optimizer, global_batch=args.global_batch,
         gpus_per_node=args.gpus_per_node, reference=not args.no_reference,
-        timeout=args.timeout, checkpoint_every=args.checkpoint_every,
+        timeout=args.timeout, checkpoint_every=args.checkpoint_every, vpp=args.vpp,
     )
     console = Console(stderr=True)
     monitor: list[subprocess.Popen[bytes]] = []

@@ -37,6 +37,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allow", action="append", default=[], metavar="LAYOUT",
                    help="an allowed layout (tp8pp2dp4) or fixed sizes (tp=8, tp=8,pp=2); "
                    "repeatable; default: all")
+    p.add_argument("--cp", type=int, default=1, metavar="N",
+                   help="context-parallel size the recipe fixes (default 1)")
+    p.add_argument("--vpp", type=int, default=1, metavar="N",
+                   help="model chunks per pipeline stage the recipe fixes, where pp > 1 "
+                        "(default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -67,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
                           sequence_parallel=not args.no_sequence_parallel)
     rules = LayoutRules(setup=setup, gpus_per_node=args.gpus_per_node,
                         device_memory_bytes=memory, memory_margin=margin,
-                        allowed=tuple(LayoutFilter.parse(a) for a in args.allow))
+                        allowed=tuple(LayoutFilter.parse(a) for a in args.allow),
+                        cp=args.cp, vpp=args.vpp)
     report = listing(args.devices, spec, rules)
     if args.json:
         sys.stdout.write(json.dumps(report, sort_keys=True) + "\n")

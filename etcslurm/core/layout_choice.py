@@ -69,7 +69,12 @@ class LayoutRules:
     """What a layout must satisfy besides the model's divisibility: TP inside a node
     (``gpus_per_node`` None: no rule), the global batch (``setup.global_batch``), device
     memory with a margin (``device_memory_bytes`` None: no limit), and the user's limits
-    (``allowed``: empty allows all; world sizes from ``min_world`` to ``max_world``)."""
+    (``allowed``: empty allows all; world sizes from ``min_world`` to ``max_world``).
+
+    ``cp`` and ``vpp``: what the user's recipe fixes (context-parallel size; model chunks
+    per pipeline stage), kept by every layout the policy lists: ``cp`` in all of them,
+    ``vpp`` in those with pp > 1, which the policy then prefers on the same devices (a
+    single stage has one chunk: it stays a fallback where no pipeline fits)."""
 
     setup: TrainingSetup = field(default_factory=TrainingSetup)
     gpus_per_node: int | None = 8
@@ -78,8 +83,14 @@ class LayoutRules:
     allowed: tuple[LayoutFilter, ...] = ()
     min_world: int = 1
     max_world: int | None = None
+    cp: int = 1
+    vpp: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("cp", "vpp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UsageError(f"{name} must be a positive integer, got {value!r}")
         if not 0 <= self.memory_margin < 1:
             raise UsageError(f"memory margin must be in [0, 1), got {self.memory_margin}")
         if self.device_memory_bytes is not None and self.device_memory_bytes <= 0:
@@ -154,11 +165,20 @@ def assess(cfg: ParallelConfig, spec: GPTSpec, rules: LayoutRules) -> LayoutOpti
     if gb is not None and gb % (cfg.dp * mb):
         problems.append(f"global batch {gb} does not split over dp={cfg.dp} with micro "
                         f"batch {mb} (dp×mb = {cfg.dp * mb})")
+    elif gb is not None and cfg.vpp > 1 and (gb // (cfg.dp * mb)) % cfg.pp:
+        problems.append(f"an interleaved pipeline runs a multiple of pp={cfg.pp} "
+                        f"micro-batches per DP rank; global batch {gb} gives "
+                        f"{gb // (cfg.dp * mb)}")
     usable = rules.usable_bytes
     if memory is not None and usable is not None and memory.total > usable:
         problems.append(f"{_MEMORY} {format_bytes(memory.total)} > {format_bytes(usable)} "
                         "usable")
     return LayoutOption(cfg, memory, tuple(problems))
+
+
+def _interleaves_as_asked(cfg: ParallelConfig, rules: LayoutRules) -> bool:
+    """Whether ``cfg`` runs the chunks per stage the recipe asks for (``rules.vpp``)."""
+    return rules.vpp == 1 or cfg.vpp == rules.vpp
 
 
 def _preference(cfg: ParallelConfig) -> tuple:
@@ -168,15 +188,23 @@ def _preference(cfg: ParallelConfig) -> tuple:
 
 
 def layout_options(n_devices: int, spec: GPTSpec, rules: LayoutRules) -> list[LayoutOption]:
-    """Every layout of exactly ``n_devices`` (every TP × PP × DP, and every EP dividing
-    DP for a MoE model), judged (:func:`assess`), in the policy's order of preference."""
+    """Every layout of exactly ``n_devices`` (every TP × PP × DP with the rules' CP and,
+    where pp > 1, their VPP, and every EP dividing DP for a MoE model), judged
+    (:func:`assess`), in the policy's order of preference.  None when CP does not divide
+    ``n_devices``."""
     out = []
-    for tp in divisors(n_devices):
-        for pp in divisors(n_devices // tp):
-            dp = n_devices // (tp * pp)
+    if n_devices % rules.cp:
+        return out
+    per_cp = n_devices // rules.cp
+    for tp in divisors(per_cp):
+        for pp in divisors(per_cp // tp):
+            dp = per_cp // (tp * pp)
+            vpp = rules.vpp if pp > 1 else 1
             for ep in divisors(dp) if spec.moe else [1]:
-                out.append(assess(ParallelConfig(tp, pp, dp, ep), spec, rules))
-    return sorted(out, key=lambda o: _preference(o.config))
+                cfg = ParallelConfig(tp, pp, dp, ep, cp=rules.cp, vpp=vpp)
+                out.append(assess(cfg, spec, rules))
+    return sorted(out, key=lambda o: (not _interleaves_as_asked(o.config, rules),
+                                      _preference(o.config)))
 
 
 def usable_layouts(n_devices: int, spec: GPTSpec, rules: LayoutRules) -> list[ParallelConfig]:
@@ -216,7 +244,8 @@ def choose(
 ) -> LayoutDecision:
     """Pick the layout for ``n_devices`` under ``rules``.
 
-    Preference order: use as many devices as possible (up to ``max_world``); keep the
+    Preference order: use as many devices as possible (up to ``max_world``); the chunks
+    per stage the recipe fixes (``rules.vpp``: a pipeline over a single stage); keep the
     previous TP and PP (then every surviving DP replica already holds its state); then
     :func:`_preference`; for a MoE model the previous EP if it still divides DP.  When no
     layout uses all devices (a prime count, a batch that does not divide, memory), the
@@ -249,7 +278,8 @@ def choose(
                 continue
             keeps = previous is not None and (cfg.tp, cfg.pp) == (previous.tp, previous.pp)
             keeps_ep = previous is not None and cfg.ep == previous.ep
-            key = (-used, not keeps, *_preference(cfg)[:3], not keeps_ep, -cfg.ep)
+            key = (-used, not _interleaves_as_asked(cfg, rules), not keeps,
+                   *_preference(cfg)[:3], not keeps_ep, -cfg.ep)
             if best is None or key < best[0]:
                 best = (key, option)
     if best is None:

@@ -62,6 +62,7 @@ class DemoOptions:
     checkpoint_every: int = 0  # periodic checkpoints (a lost piece rolls back to the last)
     tensorboard_dir: str | None = None  # the run's TensorBoard scalars (rank 0 writes)
     first_layout: str | None = None  # generation 0's layout (default: the policy's)
+    vpp: int = 1  # model chunks per pipeline stage where pp > 1 (RunSettings.vpp)
     load: str | None = None  # a Megatron-LM checkpoint to start from (RunSettings.load)
     #: the worker program: fault tests use ``etcslurm.testing.worker`` with its arguments
     worker_module: str = "etcslurm.runtime.worker"
@@ -148,7 +149,7 @@ class LocalRun:
             micro_batch=opts.micro_batch, seed=opts.seed, steps=opts.steps,
             initial_workers=initial, gpus_per_node=opts.gpus_per_node,
             checkpoint_every=opts.checkpoint_every, tensorboard_dir=opts.tensorboard_dir,
-            first_layout=opts.first_layout, load=opts.load, **staging,
+            first_layout=opts.first_layout, load=opts.load, vpp=opts.vpp, **staging,
         )
         self.coord = Coordinator(connect(url, password_file), run_id)
         self.coord.ensure_spec(self.settings.to_json())
@@ -333,16 +334,18 @@ def drive(run: LocalRun, events: tuple[ScheduledEvent, ...], timeout: float,
                 f"{wp.log}:\n{_tail(wp.log)}", run.result)
 
 
-def reference_workers(spec: GPTSpec | None, workers: int) -> int:
+def reference_workers(spec: GPTSpec | None, workers: int, vpp: int = 1) -> int:
     """Workers of the never-resized reference run.
 
-    A dense model's initial state does not depend on the layout (megatron builds every
+    A dense model's initial state does not depend on its TP and DP (megatron builds every
     weight from its full-size master on the CPU and keeps this rank's slice), so one
     worker trains the same curve.  A mixture-of-experts model's does: megatron seeds the
-    experts per expert-parallel rank, so the reference starts with the elastic run's own
-    initial workers, in the same first layout, and never resizes.
+    experts per expert-parallel rank; so does a pipelined one's (a stage draws only its
+    own layers' weights), and a run with ``vpp`` > 1 starts pipelined.  Those references
+    start with the elastic run's own initial workers, in the same first layout, and never
+    resize.
     """
-    return workers if spec is None or spec.moe else 1
+    return workers if spec is None or spec.moe or vpp > 1 else 1
 
 
 def _reference_run(opts: DemoOptions, run_id: str, run_dir: Path, url: str,
@@ -392,7 +395,7 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
         run.spawn_initial(opts.workers)
         say(f"run {run_id}: {opts.workers} workers training {spec or 'their model'} for "
             f"{opts.steps} steps")
-        n_ref = reference_workers(spec, opts.workers)
+        n_ref = reference_workers(spec, opts.workers, opts.vpp)
         if opts.reference:
             ref = _reference_run(opts, run_id, run_dir, url, pw, spec, n_ref)
             # a one-worker reference trains beside the run, which mostly waits (paced

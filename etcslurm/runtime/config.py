@@ -58,6 +58,12 @@ class RunSettings:
     max_world: int | None = None
     layouts: tuple[str, ...] = ()
     first_layout: str | None = None
+    #: what the recipe fixes and the policy keeps in every layout it picks: ``cp``, the
+    #: context-parallel size (sequence split over ``cp`` ranks; needs Transformer
+    #: Engine's attention to train), and ``vpp``, the model chunks per pipeline stage
+    #: (an interleaved pipeline wherever the layout has pp > 1)
+    cp: int = 1
+    vpp: int = 1
     #: how activations are recomputed ('none', 'selective', 'full'): the memory estimate
     recompute: str = "selective"
     #: device memory per rank (None: ``torch.cuda.mem_get_info`` on a GPU, no limit on CPU)
@@ -81,7 +87,13 @@ class RunSettings:
                                         recompute=self.recompute),
                     gpus_per_node=self.gpus_per_node, device_memory_bytes=self.gpu_memory_bytes,
                     memory_margin=self.memory_margin, allowed=allowed,
-                    min_world=self.min_world, max_world=self.max_world)
+                    min_world=self.min_world, max_world=self.max_world,
+                    cp=self.cp, vpp=self.vpp)
+        if self.cp > 1 and self.model is not None:
+            raise UsageError(
+                f"cp={self.cp}: context parallelism trains only with Transformer Engine's "
+                "attention; etcslurm's own model uses megatron-core's local layer spec, "
+                "whose attention has none (build a model of your own with a TE spec)")
         if self.load is not None:
             object.__setattr__(self, "load", str(self.load))
         if self.first_layout is not None:
@@ -92,6 +104,9 @@ class RunSettings:
                                  f"above max_world={self.max_world}")
             if allowed and not any(f.allows(first) for f in allowed):
                 raise UsageError(f"first_layout {first} is not among the allowed layouts")
+            if first.cp != self.cp or (first.pp > 1 and first.vpp != self.vpp):
+                raise UsageError(f"first_layout {first} has cp={first.cp}, vpp={first.vpp}; "
+                                 f"the run fixes cp={self.cp}, vpp={self.vpp}")
 
     def to_json(self) -> dict[str, Any]:
         """The run spec stored in the coordinator (JSON)."""
@@ -112,6 +127,8 @@ class RunSettings:
             "max_world": self.max_world,
             "layouts": list(self.layouts),
             "first_layout": self.first_layout,
+            "cp": self.cp,
+            "vpp": self.vpp,
             "recompute": self.recompute,
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "memory_margin": self.memory_margin,
@@ -140,6 +157,8 @@ class RunSettings:
                 max_world=_optional_int(spec.get("max_world")),
                 layouts=tuple(str(x) for x in spec.get("layouts") or ()),
                 first_layout=spec.get("first_layout"),
+                cp=int(spec.get("cp", 1)),
+                vpp=int(spec.get("vpp", 1)),
                 recompute=str(spec.get("recompute", "selective")),
                 gpu_memory_bytes=_optional_int(spec.get("gpu_memory_bytes")),
                 memory_margin=float(spec.get("memory_margin", DEFAULT_MARGIN)),

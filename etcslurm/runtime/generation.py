@@ -73,6 +73,8 @@ class LayoutSettings:
     max_world: int | None = None
     layouts: tuple[str, ...] = ()
     first_layout: str | None = None
+    cp: int = 1
+    vpp: int = 1
 
     @property
     def rules(self) -> LayoutRules:
@@ -83,7 +85,8 @@ class LayoutSettings:
                            device_memory_bytes=self.device_memory_bytes,
                            memory_margin=self.memory_margin,
                            allowed=tuple(LayoutFilter.parse(x) for x in self.layouts),
-                           min_world=self.min_world, max_world=self.max_world)
+                           min_world=self.min_world, max_world=self.max_world,
+                           cp=self.cp, vpp=self.vpp)
 
     def choose(self, n_devices: int, previous: ParallelConfig | None) -> LayoutDecision:
         """The layout for ``n_devices`` (the first layout, if set, when there is no
@@ -130,7 +133,7 @@ def layout_settings(settings: RunSettings,
                           staging_bytes=s.staging_bytes, device_memory_bytes=memory,
                           memory_margin=s.memory_margin, recompute=s.recompute,
                           min_world=s.min_world, max_world=s.max_world, layouts=s.layouts,
-                          first_layout=s.first_layout)
+                          first_layout=s.first_layout, cp=s.cp, vpp=s.vpp)
 
 
 def layout_problems(settings: LayoutSettings, config: ParallelConfig) -> list[str]:
