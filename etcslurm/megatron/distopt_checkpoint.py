@@ -7,8 +7,8 @@ checkpoint path, applied once per process before a save or load.
   the world tensors have that padding stripped.  With more than one bucket whose end is
   padded (a pipeline stage with a tied embedding always has a bucket of its own; a
   1-layer stage of gpt-tiny pads its first bucket by 64 elements) every param past the
-  first bucket is saved shifted: weights, main params and Adam moments of the embedding
-  silently wrong, the model weights right.  Fixed upstream (``cumulative_padding_stripped``,
+  first bucket is saved shifted: the embedding's main params and Adam moments silently
+  wrong, while the model weights (saved apart) stay right.  Fixed upstream (``cumulative_padding_stripped``,
   megatron-core 0.20); for earlier versions the world tensors are handed to that function
   with the padding put back, so its offsets land where they point.
 - **``KeyError: 'step'`` on the torch-Adam fallback.**  ``_set_main_param_and_optimizer_states``
