@@ -16,6 +16,7 @@ from etcslurm.cli import main
         (["--model", "gpt-tiny", "--from", "tp2pp2dp2", "--to", "tp3pp2dp1"], "tp=3"),
         (["--model", "gpt-tiny", "--from", "tp1pp2dp2", "--to", "tp1pp2dp1", "--repeat", "0"],
          "--repeat"),
+        (["--model", "gpt-tiny", "--steps-before", "0"], "Adam's state"),
         (["--model", "gpt-tiny", "--ckpt-dir", "/nonexistent/dir"], "not a directory"),
     ],
 )

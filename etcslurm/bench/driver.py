@@ -111,6 +111,10 @@ class MigrateRequest:
                              "leaving or joining")
         if self.repeat < 1 or self.steps_before < 0 or self.steps_after < 0:
             raise UsageError("--repeat must be at least 1 and step counts not negative")
+        if self.steps_before < 1:
+            raise UsageError("--steps-before must be at least 1: Adam's state (its step "
+                             "count, its moments) exists only after a first step, and the "
+                             "migration is checked on it")
         if self.staging_mb < 1:
             raise UsageError("--staging-mb must be at least 1")
         if self.global_batch is not None and (
@@ -400,10 +404,10 @@ def _after_steps(new: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def default_global_batch(*layouts: ParallelConfig) -> int:
-    """The smallest batch every layout splits evenly over its DP ranks, with at least
-    ``pp`` micro-batches per DP rank where the pipeline is interleaved (megatron's
-    interleaved schedule runs no fewer)."""
+    """The smallest batch every layout splits evenly over its DP ranks, with a multiple
+    of ``pp`` micro-batches per DP rank where the pipeline is interleaved (megatron's
+    interleaved schedule runs them in groups of pp)."""
     batch = math.lcm(*(c.dp for c in layouts))
-    while any(c.vpp > 1 and batch // c.dp < c.pp for c in layouts):
+    while any(c.vpp > 1 and (batch // c.dp) % c.pp for c in layouts):
         batch += math.lcm(*(c.dp for c in layouts))
     return batch

@@ -221,6 +221,13 @@ def transformer_config(spec: GPTSpec, config: ParallelConfig, dtype: torch.dtype
         # parallel_state's DP x CP groups still shard DDP and the distributed optimizer
         context_parallel_size=1,
         virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
+        # the interleaved schedule as Megatron-LM configures it (overlapped, unbatched
+        # P2P): its batched exchange posts two sends and two receives between the same two
+        # ranks when pp = 2, which the backends match in posting order, so activations and
+        # gradients of the same shape land in each other's buffers (Megatron-LM refuses
+        # that combination; megatron-core's defaults allow it)
+        overlap_p2p_comm=config.vpp > 1,
+        batch_p2p_comm=config.vpp == 1,
         num_layers_in_first_pipeline_stage=uneven(spec, config.pp)[0],
         num_layers_in_last_pipeline_stage=uneven(spec, config.pp)[1],
         use_cpu_initialization=True,

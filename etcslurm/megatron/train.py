@@ -66,10 +66,11 @@ def num_microbatches(trainee: Trainee) -> int:
         )
     n = hyper.global_batch // (dp * hyper.micro_batch)
     pp, vpp = trainee.config.pp, trainee.config.vpp
-    if vpp > 1 and n < pp:
+    # megatron-core's interleaved schedule runs micro-batches in groups of pp
+    if vpp > 1 and n % pp:
         raise LayoutError(
-            f"{trainee.config}: an interleaved pipeline runs at least pp={pp} micro-batches "
-            f"per DP rank, global batch {hyper.global_batch} gives {n}"
+            f"{trainee.config}: an interleaved pipeline runs a multiple of pp={pp} "
+            f"micro-batches per DP rank; global batch {hyper.global_batch} gives {n}"
         )
     return n
 

@@ -66,9 +66,12 @@ MATRIX = (
     Case("mixed-leave-join", "gpt-tiny", "tp2pp2dp1", "tp1pp1dp4", (3,), join=1,
          optimizer="distributed"),
     Case("live-plan", "llama-tiny", "tp1pp2dp2", "tp2pp1dp2", extra={"live_plan": True}),
-    # pipeline shapes: interleaved chunks to TP; uneven stages with a tied embedding, whose
-    # stage pads its buckets (the distributed optimizer's checkpoint once misread them)
+    # pipeline shapes: interleaved chunks to TP, then not interleaved or still so (twins:
+    # from one state they must train the same function); uneven stages with a tied
+    # embedding, whose stage pads its buckets (the distributed optimizer's checkpoint once
+    # misread them)
     Case("vpp-to-tp", "llama-tiny", "tp1pp2vpp2dp2", "tp2pp2dp1", optimizer="distributed"),
+    Case("vpp-tp-grow", "llama-tiny", "tp1pp2vpp2dp2", "tp2pp2vpp2dp1", optimizer="distributed"),
     Case("uneven-stages", "layers=6,hidden=64,heads=4,vocab=128,seq=32,first_stage_layers=1,"
          "last_stage_layers=1", "tp1pp3dp1", "tp1pp1dp3", optimizer="distributed"),
     # mixture of experts
