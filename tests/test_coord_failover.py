@@ -28,9 +28,6 @@ from etcslurm.redis_host.sentinel import Site
 from etcslurm.redis_host.server import BundledRedis
 from tests.helpers import generation_record
 
-# Sentinel's failure-detection and failover timers, not computing, set their pace
-pytestmark = pytest.mark.waits
-
 #: Sentinel's down-after in these tests.  Not lower: on the 2 loaded CI cores a freshly
 #: promoted primary serving the other replica's full resync (a fork) once missed PINGs
 #: for > 800 ms, and the Sentinels failed it over a second time, mid-run

@@ -31,9 +31,6 @@ from tests import test_coord_failover as coord_failover
 from tests.helpers import generation_record, pids_alive
 from tests.test_runtime_elastic import _data_positions
 
-# Sentinel's failure-detection and failover timers, not computing, set their pace
-pytestmark = pytest.mark.waits
-
 #: the three-site fixture (primary + 2 replicas + 3 Sentinels on loopback, stopped by PID)
 sites = coord_failover.sites
 

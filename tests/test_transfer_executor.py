@@ -230,7 +230,6 @@ except WaitTimeout as exc:
 """
 
 
-@pytest.mark.waits  # for members that come late or never
 @pytest.mark.parametrize("arrive", ["late", "never"])
 def test_world_exchange_waits_for_late_members_bounded_and_named(tmp_path, arrive: str) -> None:
     """The exchange on the new world's own backend (nobody leaves): members arrive once
