@@ -8,6 +8,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+#: results computed once per pytest process and shared by the test modules that need
+#: them: pytest imports a test module under its own name, and a module importing it as
+#: ``tests.<name>`` gets a second copy with module globals of its own; this module is
+#: imported once, under one name
+SHARED: dict[str, Any] = {}
+
 
 def pids_alive(pids: list[int]) -> list[int]:
     """The PIDs of ``pids`` that still exist (a test asserts nothing outlives a run)."""

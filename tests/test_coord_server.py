@@ -96,7 +96,7 @@ def test_unreachable_and_not_redis_are_one_line_errors(tmp_path):
 
 def test_start_failure_reports_log_tail(server, tmp_path):
     with pytest.raises(CoordinatorError, match=r"exited with code .*log .*(Address already in use|bind)"):
-        BundledRedis(tmp_path / "other", port=server.port, ready_timeout=5).start()
+        BundledRedis(tmp_path / "other", port=server.port, ready_timeout=20).start()
 
 
 def test_restart_clients_reconnect_and_membership_heals(server):

@@ -38,7 +38,7 @@ from etcslurm.errors import EtcslurmError
 from etcslurm.local.launcher import LOSS_TOLERANCE, DemoOptions, run_demo
 from etcslurm.runtime.config import RunSettings
 from etcslurm.slurm.submission import grow, submit
-from tests.helpers import cluster_state, free_nodes, job_state, settle_jobs, sh
+from tests.helpers import SHARED, cluster_state, free_nodes, job_state, settle_jobs, sh
 from tests.helpers import wait_for as _wait_for
 
 # the runs train real models on 2 shared cores: allow more than the default 600 s
@@ -231,7 +231,7 @@ def jobs(partition: str) -> Iterator[list[str]]:
 #: steps are those of a shorter run's reference (the learning-rate schedule does not
 #: depend on the run's length)
 REFERENCE_STEPS = 70
-_reference: dict[int, float] = {}
+_reference: dict[int, float] = SHARED.setdefault("slurm reference losses", {})
 
 
 def reference_losses(redis_url: str, tmp_path_factory: pytest.TempPathFactory,

@@ -117,12 +117,10 @@ class MigrateRequest:
                              "migration is checked on it")
         if self.staging_mb < 1:
             raise UsageError("--staging-mb must be at least 1")
-        if self.global_batch is not None and (
-            self.global_batch % old.dp or self.global_batch % new.dp
-        ):
-            raise UsageError(
-                f"--global-batch {self.global_batch} must be a multiple of dp={old.dp} and dp={new.dp}"
-            )
+        for layout in (old, new) if self.global_batch is not None else ():
+            problem = layout.batch_problem(self.global_batch)
+            if problem is not None:
+                raise UsageError(f"--global-batch {self.global_batch}: {layout}: {problem}")
         return spec, old, new
 
     def case_config(self, work_dir: Path, ckpt_dir: Path) -> dict[str, Any]:
@@ -407,7 +405,7 @@ def default_global_batch(*layouts: ParallelConfig) -> int:
     """The smallest batch every layout splits evenly over its DP ranks, with a multiple
     of ``pp`` micro-batches per DP rank where the pipeline is interleaved (megatron's
     interleaved schedule runs them in groups of pp)."""
-    batch = math.lcm(*(c.dp for c in layouts))
-    while any(c.vpp > 1 and (batch // c.dp) % c.pp for c in layouts):
-        batch += math.lcm(*(c.dp for c in layouts))
+    step = batch = math.lcm(*(c.dp for c in layouts))
+    while any(c.batch_problem(batch) for c in layouts):
+        batch += step
     return batch

@@ -101,6 +101,19 @@ class ParallelConfig:
         ep = f"ep{self.ep}" if self.ep > 1 else ""
         return f"tp{self.tp}{cp}pp{self.pp}{vpp}dp{self.dp}{ep}"
 
+    def batch_problem(self, global_batch: int, micro_batch: int = 1) -> str | None:
+        """Why this layout cannot train ``global_batch`` samples per step in micro-batches
+        of ``micro_batch``, or None: the batch must split evenly over the DP ranks, and
+        megatron-core's interleaved schedule runs micro-batches in groups of pp."""
+        if global_batch % (self.dp * micro_batch):
+            return (f"global batch {global_batch} does not split over dp={self.dp} with "
+                    f"micro batch {micro_batch} (dp×mb = {self.dp * micro_batch})")
+        per_rank = global_batch // (self.dp * micro_batch)
+        if self.vpp > 1 and per_rank % self.pp:
+            return (f"an interleaved pipeline runs a multiple of pp={self.pp} micro-batches "
+                    f"per DP rank; global batch {global_batch} gives {per_rank}")
+        return None
+
     @property
     def edp(self) -> int:
         """Expert-data-parallel size: the replicas of each expert shard (``dp / ep``)."""

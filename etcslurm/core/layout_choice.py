@@ -161,14 +161,10 @@ def assess(cfg: ParallelConfig, spec: GPTSpec, rules: LayoutRules) -> LayoutOpti
         problems.append(f"{cfg.world_size} devices is below min_world={rules.min_world}")
     if rules.max_world is not None and cfg.world_size > rules.max_world:
         problems.append(f"{cfg.world_size} devices is above max_world={rules.max_world}")
-    gb, mb = rules.setup.global_batch, rules.setup.micro_batch
-    if gb is not None and gb % (cfg.dp * mb):
-        problems.append(f"global batch {gb} does not split over dp={cfg.dp} with micro "
-                        f"batch {mb} (dp×mb = {cfg.dp * mb})")
-    elif gb is not None and cfg.vpp > 1 and (gb // (cfg.dp * mb)) % cfg.pp:
-        problems.append(f"an interleaved pipeline runs a multiple of pp={cfg.pp} "
-                        f"micro-batches per DP rank; global batch {gb} gives "
-                        f"{gb // (cfg.dp * mb)}")
+    gb = rules.setup.global_batch
+    batch = None if gb is None else cfg.batch_problem(gb, rules.setup.micro_batch)
+    if batch is not None:
+        problems.append(batch)
     usable = rules.usable_bytes
     if memory is not None and usable is not None and memory.total > usable:
         problems.append(f"{_MEMORY} {format_bytes(memory.total)} > {format_bytes(usable)} "

@@ -58,21 +58,11 @@ def micro_batches(trainee: Trainee, step: int, data_seed: int | None = None) -> 
 
 def num_microbatches(trainee: Trainee) -> int:
     """Micro-batches per DP rank per step that keep the global batch constant."""
-    hyper, dp = trainee.hyper, trainee.config.dp
-    if hyper.global_batch % (dp * hyper.micro_batch):
-        raise LayoutError(
-            f"global batch {hyper.global_batch} is not a multiple of dp={dp} × micro batch "
-            f"{hyper.micro_batch}"
-        )
-    n = hyper.global_batch // (dp * hyper.micro_batch)
-    pp, vpp = trainee.config.pp, trainee.config.vpp
-    # megatron-core's interleaved schedule runs micro-batches in groups of pp
-    if vpp > 1 and n % pp:
-        raise LayoutError(
-            f"{trainee.config}: an interleaved pipeline runs a multiple of pp={pp} "
-            f"micro-batches per DP rank; global batch {hyper.global_batch} gives {n}"
-        )
-    return n
+    hyper, config = trainee.hyper, trainee.config
+    problem = config.batch_problem(hyper.global_batch, hyper.micro_batch)
+    if problem is not None:
+        raise LayoutError(f"{config}: {problem}")
+    return hyper.global_batch // (config.dp * hyper.micro_batch)
 
 
 def _loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

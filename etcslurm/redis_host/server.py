@@ -247,10 +247,7 @@ class BundledRedis:
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise CoordinatorError(
-                    f"redis-server ({self.executable}) exited with code {self.proc.returncode} "
-                    f"on {self.host}:{self.port}; log {self.log_file}: {_tail(self.log_file)}"
-                )
+                raise self._exited()
             try:
                 client = redis.Redis(
                     host="127.0.0.1" if self.host in ("0.0.0.0", "") else self.host,
@@ -267,9 +264,22 @@ class BundledRedis:
             except redis.RedisError as exc:
                 last = str(exc)
             time.sleep(0.05)
+        # on a loaded host a server that cannot bind may exit just after the deadline:
+        # its exit code and log say more than "not ready"
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=2)
+        if self.proc.returncode is not None:
+            raise self._exited()
         raise CoordinatorError(
             f"redis-server on {self.host}:{self.port} not ready after {self.ready_timeout:.0f} s "
             f"({last}); log {self.log_file}: {_tail(self.log_file)}"
+        )
+
+    def _exited(self) -> CoordinatorError:
+        assert self.proc is not None
+        return CoordinatorError(
+            f"redis-server ({self.executable}) exited with code {self.proc.returncode} "
+            f"on {self.host}:{self.port}; log {self.log_file}: {_tail(self.log_file)}"
         )
 
     def _kill(self, timeout: float = 5.0) -> None:
