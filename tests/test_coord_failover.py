@@ -132,7 +132,6 @@ def test_sigkill_of_primary_is_promoted_and_acknowledged_generation_survives(sit
     assert [e["type"] for e in coord.read_events()][-1] == "generation.start"
     coord.set_state("active", rank=0, generation=2)
     assert coord.members()[wid]["state"] == "active"
-    assert took < 10
     client.close()
 
 

@@ -143,7 +143,7 @@ def test_unreachable_redis() -> None:
     s.close()  # nothing listens there now
     t0 = time.monotonic()
     line = one_line_error(etcslurm("monitor", "--redis", f"redis://:pw@127.0.0.1:{port}/0"), 3)
-    assert "unreachable" in line and time.monotonic() - t0 < 15
+    assert "unreachable" in line and time.monotonic() - t0 < 60
 
 
 def test_wrong_and_missing_password(redis_url: str) -> None:

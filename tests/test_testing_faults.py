@@ -10,6 +10,7 @@ import torch
 
 from etcslurm.errors import UsageError
 from etcslurm.hooks import NO_HOOKS
+from etcslurm.testing import faults as faults_module
 from etcslurm.testing.faults import (
     CorruptOnce,
     HoldAfterStep,
@@ -65,19 +66,34 @@ def test_step_pacing_sleeps_the_rest_of_the_minimum(monkeypatch: pytest.MonkeyPa
     assert slept == [2.0]
 
 
-def test_hold_waits_after_its_step_until_the_file_exists(tmp_path) -> None:
+class _Clock:
+    """A clock that moves only when the code under test sleeps."""
+
+    def __init__(self) -> None:
+        self.now, self.sleeps = 0.0, 0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.sleeps += 1
+
+
+def test_hold_waits_after_its_step_until_the_file_exists(tmp_path, monkeypatch) -> None:
     go = tmp_path / "go"
     h = hooks_from_json({"hold": {"step": 2, "file": str(go), "timeout": 0.3}})
     assert isinstance(h, HoldAfterStep)
-    t0 = time.monotonic()
+    clock = _Clock()
+    monkeypatch.setattr(faults_module, "time", clock)
     h.after_step(1, 0.0)  # not its step: no wait
-    assert time.monotonic() - t0 < 0.1
+    assert clock.sleeps == 0
     h.after_step(2, 0.0)  # no file: waits out its timeout, then goes on
-    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert 0.3 <= clock.now < 0.4 and clock.sleeps > 1
     go.touch()
-    t1 = time.monotonic()
-    h.after_step(2, 0.0)
-    assert time.monotonic() - t1 < 0.1
+    before = clock.sleeps
+    h.after_step(2, 0.0)  # the file exists: no wait
+    assert clock.sleeps == before
 
 
 def test_corrupt_once_flips_one_byte_of_the_first_matching_message() -> None:
