@@ -230,7 +230,7 @@ def jobs(partition: str) -> Iterator[list[str]]:
 #: the reference's steps: the longest run of these modules (test_slurm_ops); its first
 #: steps are those of a shorter run's reference (the learning-rate schedule does not
 #: depend on the run's length)
-REFERENCE_STEPS = 45
+REFERENCE_STEPS = 36
 _reference: dict[int, float] = SHARED.setdefault("slurm reference losses", {})
 
 

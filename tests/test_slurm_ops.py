@@ -41,9 +41,10 @@ from tests.test_slurm_elastic import (
 pytestmark = [pytest.mark.slurm, pytest.mark.waits, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 # paced at >= 3 s; the run stands still while it resizes, so the scenario below takes
-# few of its steps (the drain completed by step 14 on a 2-core host): 45 leave room for
-# a slower host without paying for a long tail after the last check
-STEPS = 45
+# few of its steps (the drain completed by step 14-16 on a 2-core host): 36 leave room
+# for a slower host without paying for a long tail after the last check (a check before
+# the drain names a run too short for it)
+STEPS = 36
 MAX_NODES = 3
 HIGH_SLEEP = 20  # seconds the high job holds the two preempted nodes
 

@@ -218,8 +218,8 @@ dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                         timeout=timedelta(seconds=2))
 if rank == 1:
     time.sleep(late)
-    if arrive == "never":
-        time.sleep(30)
+    if arrive == "never":  # stays connected, never joins, until rank 0 has its answer
+        store.wait(["answered"], timedelta(seconds=90))
         sys.exit(0)
 t0 = time.perf_counter()
 try:
@@ -227,6 +227,8 @@ try:
     print("ok", pg.rank(), pg.size(), flush=True)
 except WaitTimeout as exc:
     print("timeout", round(time.perf_counter() - t0, 1), exc, flush=True)
+finally:
+    store.set("answered", "1")
 """
 
 
