@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import Background
+
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
@@ -76,28 +78,16 @@ class Reference:
     their own."""
 
     def __init__(self, redis_url: str, run_dir: Path) -> None:
-        import threading
-
-        self.losses: dict[int, float] | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(redis_url, run_dir), daemon=True)
-        self.thread.start()
-
-    def _run(self, redis_url: str, run_dir: Path) -> None:
         from etcslurm.testing import fault_scenarios as fm
 
-        try:
-            self.losses = fm.reference_losses(redis_url, None, run_dir, REFERENCE_STEPS)
-        except BaseException as exc:  # reported by get()
-            self.error = exc
+        self.run = Background(
+            lambda: fm.reference_losses(redis_url, None, run_dir, REFERENCE_STEPS),
+            "the shared gpt-tiny reference run")
 
     def get(self, timeout: float = 900) -> dict[int, float]:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"reference run not done within {timeout} s"
-        assert self.error is None, self.error
-        assert self.losses is not None
-        assert sorted(self.losses) == list(range(1, REFERENCE_STEPS + 1))
-        return self.losses
+        losses = self.run.get(timeout)
+        assert sorted(losses) == list(range(1, REFERENCE_STEPS + 1))
+        return losses
 
     def max_diff(self, losses: dict[int, float]) -> float:
         """The largest |loss − reference| over the steps both have."""

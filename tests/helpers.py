@@ -15,6 +15,34 @@ from typing import Any
 SHARED: dict[str, Any] = {}
 
 
+class Background:
+    """A value ``compute()`` makes in a thread, started now, so that it is made while the
+    test that needs it does its own waiting (a reference run trains while the run it
+    judges starts); :meth:`get` waits for it, bounded, and re-raises its error."""
+
+    def __init__(self, compute: Callable[[], Any], what: str) -> None:
+        import threading
+
+        self.what = what
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(compute,), daemon=True)
+        self.thread.start()
+
+    def _run(self, compute: Callable[[], Any]) -> None:
+        try:
+            self.value = compute()
+        except BaseException as exc:  # reported by get()
+            self.error = exc
+
+    def get(self, timeout: float = 900) -> Any:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"{self.what} not done within {timeout:.0f} s"
+        if self.error is not None:
+            raise AssertionError(f"{self.what} failed: {self.error!r}") from self.error
+        return self.value
+
+
 def pids_alive(pids: list[int]) -> list[int]:
     """The PIDs of ``pids`` that still exist (a test asserts nothing outlives a run)."""
     alive = []

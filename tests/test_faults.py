@@ -1,6 +1,6 @@
 """Fault injection on real elastic runs: SIGKILL of a worker and of the leader, a
-preemption signal during a migration (two resizes back to back), the coordinator's Redis
-restarted and unreachable, state with no surviving holder, a corrupted message.
+preemption signal during a migration (two resizes back to back), state with no surviving
+holder, a corrupted message (the coordinator's outages: ``test_faults_coordinator.py``).
 
 The scenarios live in ``etcslurm/testing/fault_scenarios.py`` (``benchmarks/fault_matrix.py``
 runs them all and prints the measured table); these tests run them small (gpt-tiny, 8
@@ -11,7 +11,6 @@ completes with the same losses as a run that never resized, and nothing hangs.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 from pathlib import Path
@@ -19,15 +18,11 @@ from typing import Any
 
 import pytest
 
-from etcslurm.coord.client import connect
 from etcslurm.core.models import GPTSpec
 from etcslurm.local.launcher import LOSS_TOLERANCE
 from etcslurm.runtime.generation import LayoutSettings, first_generation, next_generation
 from etcslurm.testing import fault_scenarios as fm
 from tests.helpers import pids_alive
-
-#: the coordinator client's bound on one socket operation (``connect``'s default)
-SOCKET_TIMEOUT = inspect.signature(connect).parameters["socket_timeout"].default
 
 #: mostly waiting on detection timers (dead_after, collective timeouts): sbin/test runs
 #: these beside the CPU-bound tests
@@ -233,45 +228,6 @@ def test_a_joiner_that_never_arrives_is_dropped_and_the_change_replanned(
     assert all(c == 0 for c in row.result.exit_codes.values()), row.result.exit_codes
     assert row.recover_s is not None
     assert row.recover_s < fm.DEAD_AFTER * 2 + fm.COLLECTIVE_TIMEOUT + 60
-
-
-@pytest.mark.slow
-@pytest.mark.redis
-def test_training_goes_on_while_redis_is_unreachable_for_30_s(
-        reference: Any, tmp_path: Path) -> None:
-    """Redis hung for 30 s (longer than ``dead_after`` and ``collective_timeout``, which
-    keep their 10 s defaults): no step waits for it, nobody is taken for dead, and the
-    events of the steps trained meanwhile arrive once it answers."""
-    row = _measured(fm.redis_unreachable(None, None, tmp_path, STEPS, None, outage=30.0),
-                    reference)
-    _assert_completed(row, 12)
-    assert _kinds(row) == [("start", None, "tp1pp1dp3")]  # no resize, nobody lost
-    assert row.detail["steps_during_outage"] >= 3, row.detail
-    # one call met the hung server (rank 0's; reachability is then judged by the
-    # heartbeat, so no later step waits for a socket timeout), not one per step or call;
-    # rank 0 kept the events of the steps trained meanwhile and sent them once it answered
-    (back,) = row.detail["coordinator_back"]
-    assert back["failed_calls"] == 1, back
-    assert back["kept_events"] >= row.detail["steps_during_outage"], (back, row.detail)
-    # no step waited for the server to answer again
-    assert row.recover_s is not None and row.recover_s < row.detail["outage_s"], row.recover_s
-    assert all(code == 0 for code in row.result.exit_codes.values())
-
-
-@pytest.mark.slow
-@pytest.mark.redis
-@pytest.mark.parametrize("outage", [0.0])
-def test_redis_restart_mid_run(outage: float, redis_url: str,
-                               reference: Any, tmp_path: Path) -> None:
-    row = _measured(fm.redis_restart(None, None, tmp_path, STEPS, None, outage=outage),
-                   reference)
-    res = row.result
-    assert row.error is None, row.error
-    assert res is not None and sorted(res.losses) == list(range(1, STEPS + 1))
-    assert row.max_loss_diff is not None and row.max_loss_diff <= LOSS_TOLERANCE
-    assert [g["kind"] for _, g in sorted(row.records.items())] == ["start"]  # no resize needed
-    assert all(code == 0 for code in res.exit_codes.values()), res.exit_codes
-    assert row.recover_s is not None
 
 
 def _logs(tmp_path: Path) -> dict[str, str]:

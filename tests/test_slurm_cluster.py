@@ -151,13 +151,14 @@ def test_submitit_job_runs_elastic_task_and_returns(jobs: list[str], tmp_path: P
 
 @pytest.mark.slow
 def test_submitit_preempted_job_checkpoints_and_requeues(jobs: list[str], tmp_path: Path) -> None:
-    res = submit(probe.submitit_until_signal, 240.0, via="submitit", cluster="slurm",
+    ready = tmp_path / "trap-installed"
+    res = submit(probe.submitit_until_signal, 240.0, str(ready), via="submitit", cluster="slurm",
                  run_id="t-submitit-pre", nodes=1, time_limit=10, partition="debug",
                  folder=tmp_path / "submitit")
     jobs.append(res.job_id)
     node = wait_for(lambda: job_state(res.job_id) == "RUNNING" and sh(
         "squeue", "-h", "-j", res.job_id, "-o", "%N"), 60, "the Submitit job to run")
-    time.sleep(3)  # let the task install its trap
+    wait_for(ready.exists, 120, "the Submitit task to install its signal trap")
     high = sh("sbatch", "--parsable", "-p", "high", "-N1", "--exclusive", "-w", node,
               "-o", str(tmp_path / "high-%j.out"), "--wrap", "sleep 1")
     jobs.append(high)

@@ -38,7 +38,7 @@ from etcslurm.errors import EtcslurmError
 from etcslurm.local.launcher import LOSS_TOLERANCE, DemoOptions, run_demo
 from etcslurm.runtime.config import RunSettings
 from etcslurm.slurm.submission import grow, submit
-from tests.helpers import SHARED, cluster_state, free_nodes, job_state, settle_jobs, sh
+from tests.helpers import SHARED, Background, cluster_state, free_nodes, job_state, settle_jobs, sh
 from tests.helpers import wait_for as _wait_for
 
 # the runs train real models on 2 shared cores: allow more than the default 600 s
@@ -75,7 +75,6 @@ RUN_TIMEOUT = 900.0  # a whole run on 2 heavily shared cores
 # start seconds apart on a loaded machine.
 WORKER_ARGS = ["--min-step-seconds", "3", "--collective-timeout", "60", "--dead-after", "20"]
 WORKER_MODULE = "etcslurm.runtime.worker"
-WORKER_CMD = f"{sys.executable} -m {WORKER_MODULE} " + " ".join(WORKER_ARGS)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -164,8 +163,9 @@ class Run:
         self.coord.end_run(keep_s=0)
 
 
-def check_losses(run: Run, reference: dict[int, float]) -> float:
+def check_losses(run: Run, losses: ReferenceLosses) -> float:
     """Every step once, in order, each loss within LOSS_TOLERANCE of the reference."""
+    reference = losses.get()
     assert sorted(run.losses) == list(range(1, run.steps + 1)), f"steps seen: {sorted(run.losses)}"
     assert all(len(v) == 1 for v in run.losses.values()), "a step was emitted twice"
     diff = max(abs(run.losses[s][0] - reference[s]) for s in run.losses)
@@ -231,29 +231,40 @@ def jobs(partition: str) -> Iterator[list[str]]:
 #: steps are those of a shorter run's reference (the learning-rate schedule does not
 #: depend on the run's length)
 REFERENCE_STEPS = 36
-_reference: dict[int, float] = SHARED.setdefault("slurm reference losses", {})
 
 
-def reference_losses(redis_url: str, tmp_path_factory: pytest.TempPathFactory,
-                     steps: int) -> dict[int, float]:
-    """Loss per step of one local worker that never resizes (same run spec), trained once
-    for every module that checks against it."""
-    assert steps <= REFERENCE_STEPS, steps
-    if not _reference:
-        out = tmp_path_factory.mktemp("reference")
-        res = run_demo(DemoOptions(workers=1, schedule="", model=MODEL, steps=REFERENCE_STEPS,
-                                   global_batch=GLOBAL_BATCH, seed=SEED, gpus_per_node=1,
-                                   redis=redis_url, run_id=f"ref-{out.name}",
-                                   run_dir=str(out), reference=False, timeout=RUN_TIMEOUT,
-                                   keep_keys_s=0))
-        assert sorted(res.losses) == list(range(1, REFERENCE_STEPS + 1))
-        _reference.update(res.losses)
-    return {s: loss for s, loss in _reference.items() if s <= steps}
+def _train_reference(redis_url: str, out: Path) -> dict[int, float]:
+    res = run_demo(DemoOptions(workers=1, schedule="", model=MODEL, steps=REFERENCE_STEPS,
+                               global_batch=GLOBAL_BATCH, seed=SEED, gpus_per_node=1,
+                               redis=redis_url, run_id=f"ref-{out.name}",
+                               run_dir=str(out), reference=False, timeout=RUN_TIMEOUT,
+                               keep_keys_s=0))
+    assert sorted(res.losses) == list(range(1, REFERENCE_STEPS + 1))
+    return res.losses
+
+
+class ReferenceLosses:
+    """Loss per step of one local worker that never resizes (same run spec): trained
+    once, in a thread started by the first test that asks, for every module that checks
+    against it; it trains while that test's Slurm jobs start and run."""
+
+    def __init__(self, redis_url: str, tmp_path_factory: pytest.TempPathFactory,
+                 steps: int) -> None:
+        assert steps <= REFERENCE_STEPS, steps
+        self.steps = steps
+        if "slurm reference" not in SHARED:
+            out = tmp_path_factory.mktemp("reference")
+            SHARED["slurm reference"] = Background(lambda: _train_reference(redis_url, out),
+                                                   "the Slurm tests' reference run")
+        self.run: Background = SHARED["slurm reference"]
+
+    def get(self) -> dict[int, float]:
+        return {s: loss for s, loss in self.run.get(RUN_TIMEOUT).items() if s <= self.steps}
 
 
 @pytest.fixture(scope="module")
-def reference(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    return reference_losses(redis_url, tmp_path_factory, STEPS)
+def reference(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> ReferenceLosses:
+    return ReferenceLosses(redis_url, tmp_path_factory, STEPS)
 
 
 # ---------------------------------------------------------------------------- tests
@@ -267,7 +278,7 @@ def shell(line: str, cwd: Path) -> str:
 
 
 def test_readme_slurm_section_runs_as_written(
-        jobs: list[str], tmp_path: Path, reference: dict[int, float]) -> None:
+        jobs: list[str], tmp_path: Path, reference: ReferenceLosses) -> None:
     """The README's run file and commands, as written: 4 one-node jobs start their own
     coordinator and store the run spec → a high job preempts one → its worker hands over
     and exits inside the grace time → 3 ranks → `etcslurm grow run.toml --nodes 1` → 4."""
@@ -341,7 +352,7 @@ def test_readme_slurm_section_runs_as_written(
 
 def test_submitit_run_grows_and_survives_preemption(
         jobs: list[str], tmp_path: Path, redis_url: str, run_id: str,
-        reference: dict[int, float]) -> None:
+        reference: ReferenceLosses) -> None:
     """The same flows through Submitit from Python: start with one task, grow by two
     single-node jobs (each preemptable alone), preempt one of them."""
     run_dir = tmp_path / "run"
@@ -386,14 +397,19 @@ def test_submitit_run_grows_and_survives_preemption(
 
 def test_whole_run_preempted_checkpoints_requeues_and_resumes(
         jobs: list[str], tmp_path: Path, redis_url: str, run_id: str,
-        reference: dict[int, float]) -> None:
+        reference: ReferenceLosses) -> None:
     """Nothing survives → checkpoint → the job requeues itself → the restarted job
     resumes at the checkpoint's step: no step redone, none skipped, losses continue."""
     run_dir = tmp_path / "run"
     run = Run(redis_url, run_id, 2, run_dir)
-    res = submit(WORKER_CMD, run_id=run_id, nodes=2, redis_url=redis_url, partition=PARTITION,
+    # paced until the preemption (the run must still train when the signal comes); the
+    # requeued job trains the rest unpaced: nothing it does waits for a slow step
+    unpaced_restart = ('export ETCSLURM_MIN_STEP_SECONDS='
+                       '$([ "${SLURM_RESTART_COUNT:-0}" = 0 ] && echo 3 || echo 0)')
+    cmd = f"{sys.executable} -m {WORKER_MODULE} " + " ".join(WORKER_ARGS[2:])
+    res = submit(cmd, run_id=run_id, nodes=2, redis_url=redis_url, partition=PARTITION,
                  time_limit="20", folder=tmp_path,
-                 fields={"exclusive": 1, "run_dir": str(run_dir),
+                 fields={"exclusive": 1, "run_dir": str(run_dir), "env_setup": unpaced_restart,
                          "output": str(tmp_path / "whole-%j.out")})
     jobs.append(res.job_id)
     run.wait(lambda: run.step() >= 2, RUN_TIMEOUT / 2, "2 workers training")
@@ -490,7 +506,7 @@ def _site_processes(coord_dir: Path) -> list[int]:
 
 def test_preempting_the_job_of_the_coordinators_primary_hands_it_over(
         jobs: list[str], tmp_path: Path, redis_url: str, run_id: str,
-        reference: dict[int, float]) -> None:
+        reference: ReferenceLosses) -> None:
     """elastic.sbatch as 4 one-node array jobs that start their own replicated coordinator
     (3 sites: tasks 0-2, a Redis + a Sentinel each; task 0 the primary).  A high job
     preempts task 0: its worker's signal trap hands the primary to a replica, the worker

@@ -30,11 +30,11 @@ from tests.test_slurm_elastic import (
     RUN_TIMEOUT,
     SEED,
     SLURM_TIMER,
+    ReferenceLosses,
     Run,
     check_data_once,
     check_losses,
     partition,  # noqa: F401 (a fixture)
-    reference_losses,
     wait_for,
 )
 
@@ -50,8 +50,8 @@ HIGH_SLEEP = 20  # seconds the high job holds the two preempted nodes
 
 
 @pytest.fixture(scope="module")
-def reference(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    return reference_losses(redis_url, tmp_path_factory, STEPS)
+def reference(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> ReferenceLosses:
+    return ReferenceLosses(redis_url, tmp_path_factory, STEPS)
 
 
 def run_file(run_id: str, redis_url: str, part: str) -> str:
@@ -115,7 +115,7 @@ class JobStates:
 
 def test_autogrow_preemption_and_drain_in_one_run(
         partition: str, tmp_path: Path, redis_url: str,  # noqa: F811
-        run_id: str, reference: dict[int, float]) -> None:
+        run_id: str, reference: ReferenceLosses) -> None:
     (tmp_path / "run.toml").write_text(run_file(run_id, redis_url, partition))
     run_dir = tmp_path / "runs" / run_id
     # the workers look at their node every second (default 30 s)

@@ -18,6 +18,7 @@ from typing import Any
 from etcslurm.errors import EtcslurmError, UsageError
 from etcslurm.hooks import Hooks
 from etcslurm.process_start import exit_without_teardown
+from etcslurm.runtime import checkpointing
 from etcslurm.runtime.config import Builder, RunSettings, WorkerOptions
 
 
@@ -151,6 +152,9 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None,
         if build is None and args.builder:
             build = import_builder(args.builder)
         settings, options = config_from_args(args)
+        # a checkpoint directory the worker cannot use is the user's to fix: say so before
+        # the seconds of megatron-core's import, not after them
+        checkpointing.pointer(options)
     except EtcslurmError as exc:
         sys.stderr.write(f"etcslurm worker: {exc}\n")
         return exc.exit_code

@@ -74,11 +74,14 @@ def submitit_report() -> dict[str, Any]:
     return info
 
 
-def submitit_until_signal(timeout: float = 300.0) -> dict[str, Any]:
+def submitit_until_signal(timeout: float = 300.0, ready_file: str | None = None) -> dict[str, Any]:
     """Submitit target for the preemption test: wait for a leave signal, then hand it to
     Submitit (checkpoint + requeue) as the runtime does when nothing survives.
 
-    On the requeued run (``ETCSLURM_CHECKPOINTS`` > 0) it returns at once with what it saw.
+    ``ready_file`` is created once the signal trap is in place: a preemption before it
+    would meet the signal's default action (on a loaded host the task's start takes
+    seconds after Slurm reports it RUNNING).  On the requeued run
+    (``ETCSLURM_CHECKPOINTS`` > 0) it returns at once with what it saw.
     """
     from etcslurm.errors import WaitTimeout
     from etcslurm.job.signals import installed
@@ -89,6 +92,8 @@ def submitit_until_signal(timeout: float = 300.0) -> dict[str, Any]:
     trap = installed()
     if trap is None:
         raise RuntimeError("no SignalTrap installed: run under ElasticTask")
+    if ready_file:
+        Path(ready_file).touch()
     if trap.wait(timeout) is None:
         raise WaitTimeout(f"no leave signal within {timeout:.0f} s")
     trap.fallback()  # Submitit: checkpoint() → requeue → sys.exit
