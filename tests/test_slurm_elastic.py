@@ -73,7 +73,9 @@ RUN_TIMEOUT = 900.0  # a whole run on 2 heavily shared cores
 # this model trains a step in ~0.1 s and the run would end before Slurm or a joining
 # job's imports could take part.  Collective timeout: workers of different Slurm jobs
 # start seconds apart on a loaded machine.
-WORKER_ARGS = ["--min-step-seconds", "3", "--collective-timeout", "60", "--dead-after", "20"]
+STEP_SECONDS = 3
+WORKER_ARGS = ["--min-step-seconds", str(STEP_SECONDS), "--collective-timeout", "60",
+               "--dead-after", "20"]
 WORKER_MODULE = "etcslurm.runtime.worker"
 
 
@@ -405,7 +407,7 @@ def test_whole_run_preempted_checkpoints_requeues_and_resumes(
     # paced until the preemption (the run must still train when the signal comes); the
     # requeued job trains the rest unpaced: nothing it does waits for a slow step
     unpaced_restart = ('export ETCSLURM_MIN_STEP_SECONDS='
-                       '$([ "${SLURM_RESTART_COUNT:-0}" = 0 ] && echo 3 || echo 0)')
+                       f'$([ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] && echo {STEP_SECONDS} || echo 0)')
     cmd = f"{sys.executable} -m {WORKER_MODULE} " + " ".join(WORKER_ARGS[2:])
     res = submit(cmd, run_id=run_id, nodes=2, redis_url=redis_url, partition=PARTITION,
                  time_limit="20", folder=tmp_path,
