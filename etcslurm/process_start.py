@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from etcslurm import cpu_threads
 from etcslurm.parent_death import die_with_parent
 
 #: imported once by the template: torch, megatron-core and the worker's own runtime (the
@@ -190,12 +191,8 @@ def _run_as_main(module: str, argv: list[str], env: dict[str, str], cwd: str,
     os.environ.clear()
     os.environ.update(env)
     _redirect(stdout, stderr)
-    threads = env.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        # OpenMP read the variable when the template loaded it, not this worker's value
-        import torch
-
-        torch.set_num_threads(int(threads))
+    # OpenMP read its variable when the template loaded torch, not this worker's value
+    cpu_threads.apply()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)  # ``-m`` puts the working directory first
     sys.argv = [module, *argv]

@@ -19,6 +19,18 @@ from tests.helpers import Background
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """This pytest's own torch ops share the host's cores with the other pytest that
+    ``sbin/test`` runs beside it (and with the workers its tests start): torch's
+    default, a spinning OpenMP thread per core in each, takes them from everyone."""
+    import torch
+
+    from etcslurm import cpu_threads
+
+    torch.set_num_threads(cpu_threads.share(1 if os.environ.get("ETCSLURM_SERIAL_TESTS") == "1"
+                                            else 2))
+
+
 def _missing(what: str) -> None:
     if IN_CI:
         pytest.fail(f"{what} is required under CI=true (sbin/test starts it)")

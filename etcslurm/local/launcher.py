@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from etcslurm import cpu_threads
 from etcslurm.coord.client import connect
 from etcslurm.coord.coordinator import Coordinator
 from etcslurm.coord.records import GenerationRecord
@@ -167,6 +168,8 @@ class LocalRun:
         log = self.run_dir / f"worker-{index}.log"
         env = dict(os.environ)
         env.update(ETCSLURM_NODE=node, PYTHONUNBUFFERED="1")
+        # the run's workers share this host's cores (a user's OMP_NUM_THREADS wins)
+        env.setdefault("OMP_NUM_THREADS", str(cpu_threads.share(self.opts.workers)))
         argv = [
             *self.opts.worker_args,
             "--run", self.run_id, "--redis", self.url, "--run-dir", str(self.run_dir),

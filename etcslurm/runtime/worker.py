@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from etcslurm import cpu_threads
 from etcslurm.errors import EtcslurmError, UsageError
 from etcslurm.hooks import Hooks
 from etcslurm.process_start import exit_without_teardown
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None,
     logging.basicConfig(level=os.environ.get("ETCSLURM_LOG", "WARNING"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parser().parse_args(argv)
+    cpu_threads.apply()  # before torch's import starts its threads
     problem = gpu_problem()  # before connecting to anything
     if problem:
         sys.stderr.write(f"etcslurm worker: {problem}\n")
