@@ -5,8 +5,8 @@ A replicated coordinator on 127.0.0.1 (a primary + 2 replicas + 3 Sentinels: the
 4-worker gpt-tiny run connected through the Sentinels (``redis+sentinel://`` URL without
 the password + the site's 0600 password file, so no password is on a command line).
 Once the run has finished step 3 the primary's ``redis-server`` is SIGKILLed: Sentinel
-promotes a replica, the run goes on, resizes at step 8 (SIGUSR2 to one worker), and its
-losses equal a run that never resized.  Every process is stopped by PID (workers by the
+promotes a replica (the run holds after step 6 until it has), the run goes on, resizes
+at step 8 (SIGUSR2 to one worker), and its losses equal a run that never resized.  Every process is stopped by PID (workers by the
 launcher, Redis and Sentinels by the fixture).
 """
 
@@ -26,7 +26,7 @@ from etcslurm.coord.coordinator import Coordinator
 from etcslurm.local.launcher import LOSS_TOLERANCE, DemoOptions, LocalRun, run_demo
 from etcslurm.redis_host import failover
 from etcslurm.redis_host.sentinel import Site
-from etcslurm.testing.fault_harness import Tracker, at_step
+from etcslurm.testing.fault_harness import Tracker, at_step, faults
 from tests import test_coord_failover as coord_failover
 from tests.helpers import generation_record, pids_alive
 from tests.test_runtime_elastic import _data_positions
@@ -35,6 +35,7 @@ from tests.test_runtime_elastic import _data_positions
 sites = coord_failover.sites
 
 KILL_AFTER_STEP = 3
+HOLD_STEP = 6
 FAILOVER_LIMIT_S = 30.0
 
 
@@ -130,12 +131,24 @@ def test_sigkill_of_primary_mid_run_then_resize_matches_reference(sites, run_id,
     seen: dict[str, Any] = {}
 
     steps = 12  # the shared reference's length (tests/conftest.py)
+    # the steps trained while no primary answers publish nothing, so the launcher, which
+    # applies the schedule as steps are published, could see step 8 only once the run is
+    # over: the run holds after step HOLD_STEP until the Sentinels have promoted a replica
+    promoted = tmp_path / "promoted"
     opts = DemoOptions(workers=4, steps=steps, schedule="8:leave=1", redis=url, password_file=pw,
                        run_id=run_id, run_dir=str(tmp_path), min_step_seconds=1.0,
-                       reference=False, keep_keys_s=60)
+                       reference=False, keep_keys_s=60,
+                       **faults(hold={"step": HOLD_STEP, "file": str(promoted),
+                                      "timeout": FAILOVER_LIMIT_S * 2}))
+
+    def tick(run: LocalRun) -> None:
+        tracker(run)
+        if probe.promoted_s is not None and not promoted.exists():
+            promoted.touch()
+
     t0 = time.monotonic()
     try:
-        result = run_demo(opts, on_tick=tracker)
+        result = run_demo(opts, on_tick=tick)
     finally:
         if probe.thread is not None:
             probe.thread.join(timeout=90)

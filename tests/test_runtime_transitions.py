@@ -167,6 +167,33 @@ def test_recover_publishes_a_generation_without_the_dead_and_follows_it() -> Non
     assert coord.gone == ["w3"] and "error" in coord.event_types()
 
 
+def test_a_collective_that_fails_with_every_peer_alive_forms_the_world_again_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A timeout, nobody dead: the first member publishes the same world again once every
+    member is back on its old state (a pending drain carried out with it); the same
+    failure at the same step again is no timeout: the bounded wait, then its error."""
+    coord, gen0 = _running(["w1", "w2", "w3"])
+    coord.changes.append(ChangeRequest(to=None, drain=("w3",), by="operator", ts=0.0))
+    ctx = _member_of(coord, gen0, "w1", dead_after=10.0, collective_timeout=10.0)
+    clock = _Clock()
+    monkeypatch.setattr(recovery, "time", clock)
+    clock.at.append((4.0, lambda: coord.held.update(w2=0, w3=0)))  # the others come back
+    failed = State(Phase.RECOVER, error=RuntimeError("Timed out waiting 10000ms for recv"))
+    nxt = settle(ctx, recovery.recover, failed)
+    assert nxt.phase is Phase.FOLLOW and 4.0 <= clock.now < 5
+    gen1 = nxt.record
+    assert gen1.generation == 1 and gen1.dead == () and coord.gone == []
+    assert gen1.union == ("w1", "w2", "w3") and gen1.leaving == ("w3",)  # the drain
+    assert "every peer alive" in gen1.reason
+    # at the same step, in the world formed again, the same failure: no second re-form
+    ctx.record, ctx.rank = gen1, gen1.rank_of("w1")
+    coord.held.update(w1=1, w2=1, w3=1)  # all back again: only the step says no
+    published = len(coord.records)
+    with pytest.raises(WaitTimeout, match="no peer was found dead"):
+        settle(ctx, recovery.recover, failed)
+    assert len(coord.records) == published
+
+
 class _Clock:
     """``time`` for :mod:`etcslurm.runtime.recovery`: sleeping advances a virtual clock,
     and ``at`` runs an action once the clock has passed a time (another worker acting)."""

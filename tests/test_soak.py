@@ -21,10 +21,13 @@ EVENTS = 5
 
 
 def test_soak_of_faults_in_a_row_loses_nothing_and_leaks_nothing(tmp_path: Path) -> None:
+    # the faults as they strike, shown with a failure's report
     report = soak(SoakOptions(events=EVENTS, seed=21, steps=40, run_dir=str(tmp_path / "run"),
-                              settle_timeout=180.0, timeout=600.0))
+                              settle_timeout=180.0, timeout=600.0),
+                  progress=lambda line: print(line, flush=True))
     kinds = [f["kind"] for f in report["faults"]]
-    assert report["error"] is None and report["stalled"] is None, report
+    assert report["error"] is None and report["stalled"] is None, (report["error_detail"],
+                                                                   report)
     assert report["survived"] and report["steps_trained"] == report["steps"]
     assert report["events"] == EVENTS, kinds
     assert {"leave", "kill", "redis_restart", "join", "drain"} <= set(kinds), kinds

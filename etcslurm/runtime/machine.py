@@ -119,6 +119,8 @@ class Context:
     held: list[Any] | None = None
     held_scalars: dict[str, Any] | None = None
     change_started: float | None = None  # when the pause of the current change began
+    #: the step whose failed collective (every peer alive) last formed the world again
+    reformed_at: int | None = None
     periodic: Any = None  # periodic checkpoints (runtime.checkpointing.Periodic), if any
     data_log: Any = None  # which samples each DP rank trains (runtime.boundary.DataLog)
 

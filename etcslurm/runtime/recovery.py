@@ -8,6 +8,11 @@ with the previous generation's state intact (the exchange wrote only into the ne
 model).  Either way the next generation is planned from that state without the dead,
 and the step is redone.  If no replica holds some piece, the decider publishes a
 ``stop`` and every survivor stops with :class:`~etcslurm.errors.StateLostError`.
+
+A collective can also fail with every peer alive (one held up past the collective
+timeout, a dropped connection): once every member is back on its old state the world is
+formed again, with the same members (and whatever changes are pending), and the step is
+redone.
 """
 
 from __future__ import annotations
@@ -69,6 +74,17 @@ def recover(ctx: Context, state: State) -> State:
                 coord.mark_gone(gone, "heartbeat lost")
             publish_next(ctx, reason=f"recover: {', '.join(dead)} died",
                          extra_dead=tuple(m for m in dead if m in world))
+            return replace(state, waiting=w)
+    if (not dead and alive_world and alive_world[0] == ctx.worker_id
+            and ctx.reformed_at != ctx.step):
+        # every peer alive: the collective timed out (a peer held up past the timeout,
+        # a connection dropped).  Once all of them are back on their old state the world
+        # is formed again and the step redone; once per step, so a failure that comes
+        # back every time ends in the bounded wait below instead of a loop
+        holding = coord.holding()
+        if all(holding.get(m, -1) >= current for m in alive_world):
+            ctx.reformed_at = ctx.step
+            publish_next(ctx, reason="recover: a collective failed with every peer alive")
             return replace(state, waiting=w)
     time.sleep(0.2)
     return replace(state, waiting=w)

@@ -344,7 +344,7 @@ def soak(opts: SoakOptions, progress: Callable[[str], None] | None = None) -> di
         global_batch=opts.global_batch, checkpoint_every=opts.checkpoint_every, timeout=opts.timeout, reference=True,
         keep_keys_s=600.0,
     )
-    error, result, events = None, None, []
+    error, detail, result, events = None, None, None, []
     t0 = time.perf_counter()
     try:
         say(f"soak: {opts.events} faults over {steps} steps, seed {opts.seed}, "
@@ -353,6 +353,7 @@ def soak(opts: SoakOptions, progress: Callable[[str], None] | None = None) -> di
             result = run_demo(demo, progress=say, on_tick=chaos)
         except EtcslurmError as exc:
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            detail = str(exc)  # a failed worker's last log lines
             if isinstance(exc, WorkerFailed):
                 result = exc.result
         events = run_events(server.url, str(server.password_file), str(demo.run_id))
@@ -374,6 +375,7 @@ def soak(opts: SoakOptions, progress: Callable[[str], None] | None = None) -> di
         "kinds": dict(Counter(f.kind for f in chaos.faults)),
         "survived": error is None and result is not None and len(losses) == steps,
         "error": error,
+        "error_detail": detail,
         "stalled": chaos.stalled,
         "steps": steps,
         "steps_trained": len(losses),
