@@ -3,8 +3,8 @@
 Why: torch starts one OpenMP thread per core it can see, in every process.  Several
 workers on one host then each take every core, and OpenMP's idle threads spin between
 the many small ops of a step, taking the cores the other workers need: on a 2-core
-host, two local runs of 4-6 workers took 113 s and 222 CPU-seconds with torch's default,
-18 s and 33 CPU-seconds with one thread each.  Launchers of several processes per host
+host, two local runs of 4-6 workers side by side took 113 s and 222 CPU-seconds with
+torch's default, 23-27 s and 52 CPU-seconds with one thread each.  Launchers of several processes per host
 give each one thread for that reason (torchrun sets ``OMP_NUM_THREADS=1``), and Slurm
 sites export ``OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK``.  etcslurm does the same, and a
 user's ``OMP_NUM_THREADS`` always wins.
