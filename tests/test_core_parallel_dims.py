@@ -121,10 +121,88 @@ def test_invalid_layouts_say_why(text: str, problem: str) -> None:
         ParallelConfig.parse(text).validate(GPTSpec.parse("llama3-70b"))
 
 
+def _random_expert_layout(rng: random.Random) -> ParallelConfig:
+    """A valid layout whose experts' TP differs from TP (etp x ep fills a stage)."""
+    while True:
+        cfg = ParallelConfig(rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 3]),
+                             rng.choice([1, 2, 4, 6, 8]), ep=rng.choice([2, 4, 8]),
+                             etp=rng.choice([1, 2, 4, 8]))
+        if cfg.etp and not cfg.problems():
+            return cfg
+
+
+def test_expert_grid_is_megatron_s_on_random_layouts() -> None:
+    """A rank's (etp, ep, edp) coordinate is the one megatron's expert rank generator
+    (``tp=etp, ep, dp=edp, pp``, order tp-cp-ep-dp-pp) gives it, and the text round-trips."""
+    from megatron.core.parallel_state import RankGenerator
+
+    rng = random.Random(SEED)
+    for _ in range(60):
+        cfg = _random_expert_layout(rng)
+        assert ParallelConfig.parse(str(cfg)) == cfg and "etp" in str(cfg)
+        gen = RankGenerator(tp=cfg.expert_tp, ep=cfg.ep, dp=cfg.edp, pp=cfg.pp, cp=1,
+                            order="tp-cp-ep-dp-pp")
+        for name, field in (("tp", "etp"), ("ep", "ep"), ("dp", "edp")):
+            for group in gen.get_ranks(name):
+                coords = [cfg.expert_coord(r) for r in group]
+                assert [getattr(c, field) for c in coords] == list(range(len(group))), cfg
+                rest = {tuple(v for f, v in c._asdict().items() if f != field) for c in coords}
+                assert len(rest) == 1 and len({cfg.coord(r).pp for r in group}) == 1, cfg
+
+
+def test_expert_shards_tile_each_expert_once_per_replica_on_random_layouts() -> None:
+    """Analytic state of random etp layouts: per expert-DP replica, every expert weight
+    element is held exactly once; the distributed optimizer's expert shards tile the expert
+    state once over the whole layout."""
+    from etcslurm.megatron_state.params import EXPERT_FC1_KEY, EXPERT_FC2_KEY
+
+    rng = random.Random(SEED + 1)
+    for _ in range(12):
+        cfg = _random_expert_layout(rng)
+        if cfg.world_size > 96:
+            continue
+        f = 16 * cfg.expert_tp
+        spec = GPTSpec.parse(f"layers={2 * cfg.pp},hidden=16,heads={cfg.tp},query_groups="
+                             f"{cfg.tp},ffn={8 * cfg.tp},vocab=64,seq=8,bias=0,swiglu=1,"
+                             f"experts={cfg.ep * 2},expert_ffn={f}")
+        per_layer = spec.experts * (2 * f * 16 + 16 * f)
+        for opt in ("adam", "distributed"):
+            st = expand(spec, cfg, opt)
+            for edp in range(cfg.edp):
+                held = [p for r in range(cfg.world_size) if cfg.expert_coord(r).edp == edp
+                        for p in st.pieces(r) if p.key in (EXPERT_FC1_KEY, EXPERT_FC2_KEY)]
+                assert len(set(held)) * cfg.pp <= len(held) * cfg.pp  # no piece twice
+                assert sum(p.numel for p in set(held)) == spec.layers * per_layer, (cfg, opt)
+            if opt == "distributed":
+                state = {p for r in range(cfg.world_size) for p in st.pieces(r)
+                         if p.key.startswith("optimizer.state.exp_avg.decoder.layers.mlp."
+                                             "experts")}
+                assert sum(p.numel for p in state) == spec.layers * per_layer, cfg
+
+
+def test_expert_tp_layouts_say_why_they_are_invalid() -> None:
+    moe = GPTSpec.parse("moe-tiny")
+    for text, problem in [
+        ("tp1pp1dp4etp2", "etp=2 differs from tp=1, which megatron-core supports only with "
+                          "ep > 1"),
+        ("tp1pp1dp4ep4etp2", "etp×ep = 8 does not divide the 4 ranks of a stage"),
+    ]:
+        with pytest.raises(LayoutError, match=problem):
+            ParallelConfig.parse(text).validate(moe)
+    odd = GPTSpec.parse("layers=2,hidden=64,heads=4,vocab=100,seq=16,experts=4,bias=0,"
+                        "expert_ffn=36")
+    with pytest.raises(LayoutError, match="expert_ffn=36 is not divisible by etp=8"):
+        ParallelConfig.parse("tp1pp1dp16ep2etp8").validate(odd)
+    with pytest.raises(LayoutError, match="etp=2 needs a mixture-of-experts model"):
+        ParallelConfig.parse("tp1pp1dp4ep2etp2").validate(GPTSpec.parse("gpt-tiny"))
+
+
 def test_layout_text_refuses_what_it_cannot_hold() -> None:
-    with pytest.raises(LayoutError, match="etp=1 differs from tp=2"):
-        ParallelConfig.parse("tp2pp1dp4ep2etp1")
+    # etp equal to tp is the default layout, however it is written
     assert ParallelConfig.parse("tp2pp1dp4ep2etp2") == ParallelConfig(2, 1, 4, 2)
+    assert str(ParallelConfig.parse("tp2pp1dp4ep2etp2")) == "tp2pp1dp4ep2"
+    assert ParallelConfig(2, 1, 4, 2, etp=1).expert_tp == 1
+    assert str(ParallelConfig.parse("tp2pp1dp4ep2etp1")) == "tp2pp1dp4ep2etp1"
     with pytest.raises(LayoutError, match="not of the form"):
         ParallelConfig.parse("tp2vpp2pp2dp1")
 

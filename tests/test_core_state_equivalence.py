@@ -46,6 +46,13 @@ CASES = [
     # ungated experts, expert_ffn != ffn; TP stays 1 for MoE on CPU (sequence parallelism
     # needs Apex norms: megatron.model.moe_layout_problem), benchmarks/gpu_check.sh has TP 2
     (MOE_GELU, "tp1pp1dp4ep2", "distributed"),
+    # expert tensor parallelism apart from TP: each expert's MLP split over etp ranks of
+    # megatron's expert grid (etp-ep-edp), which crosses DP (etp > tp) or TP (etp < tp)
+    (MOE, "tp1pp1dp4ep2etp2", "distributed"),
+    (MOE_BF16, "tp1pp1dp4ep2etp2", "adam"),
+    (MOE_GELU, "tp2pp1dp2ep2etp1", "distributed"),  # state only: TP 2 MoE needs Apex
+    (MOE, "tp2pp1dp2ep2etp1", "adam"),
+    (MOE, "tp1pp2dp2ep2etp1", "distributed"),  # etp = tp written out: the default layout
     # an interleaved pipeline: two model chunks per rank, each with its own DDP buffer
     (SPEC, "tp1pp2vpp2dp2", "distributed"),
     (SPEC, "tp2pp2vpp2dp1", "adam"),
@@ -74,7 +81,8 @@ result = []
 for gen, (spec, layout, opt) in enumerate(cases):
     cfg = ParallelConfig.parse(layout)
     init_parallel(cfg, rank, 4, store, gen, backend="gloo", timeout_s=120)
-    trainee = build_gpt(GPTSpec.from_json(spec), cfg, optimizer=opt, state_only=cfg.cp > 1)
+    trainee = build_gpt(GPTSpec.from_json(spec), cfg, optimizer=opt,
+                        state_only=cfg.cp > 1 or cfg.tp > 1)
     result.append([p.to_json() for p in local_state(trainee).pieces])
 teardown()
 json.dump(result, open(out, "w"))

@@ -1,7 +1,7 @@
 """Migrating real megatron-core GPT state between layouts on gloo: every transition class.
 
 One launch of 4 processes runs the whole matrix (``etcslurm.testing.transitions.MATRIX``:
-TP, PP, DP, EP in both directions, PP ↔ TP, leavers and joiners, both optimizers, fp32 and
+TP, PP, DP, EP, expert TP in both directions, PP ↔ TP, leavers and joiners, both optimizers, fp32 and
 bf16, the runtime's three plan paths) and a few seeded random transitions, one after
 another in the same processes.  Each case trains a tiny model a step in the old layout,
 migrates the identical state through the runtime's own migration and through the
@@ -135,7 +135,7 @@ def test_the_matrix_holds_every_class() -> None:
     tp_grow = [c for c in MATRIX if grows(c, "tp") > 0]
     assert {c.optimizer for c in tp_grow} == {"adam", "distributed"}
     assert {c.dtype or "fp32" for c in tp_grow} == {"fp32", "bf16"}
-    for dim in ("tp", "pp", "dp", "ep"):
+    for dim in ("tp", "pp", "dp", "ep", "expert_tp"):
         assert {grows(c, dim) for c in MATRIX} >= {1, -1}, dim
     assert any(c.leave for c in MATRIX) and any(c.join for c in MATRIX)
     assert any(c.leave and c.join for c in MATRIX)

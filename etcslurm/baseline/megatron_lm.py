@@ -115,7 +115,8 @@ def args_namespace(trainee: Any) -> Namespace:
                                               if len(trainee.model) > 1 else None),
         data_parallel_size=cfg.dp,
         expert_model_parallel_size=cfg.ep,
-        context_parallel_size=1,
+        expert_tensor_parallel_size=cfg.expert_tp,
+        context_parallel_size=cfg.cp,
         world_size=cfg.world_size,
         num_layers=spec.layers,
         hidden_size=spec.hidden,
@@ -158,12 +159,14 @@ def saved_layout(common: dict[str, Any]) -> ParallelConfig | None:
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    # a dense model's args may name an expert TP that nothing uses
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp) if ep > 1 else tp
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
     dp = getattr(args, "data_parallel_size", None)
     if not dp:
         world = int(getattr(args, "world_size", tp * pp) or tp * pp)
-        cp = int(getattr(args, "context_parallel_size", 1) or 1)
         dp = max(1, world // (tp * pp * cp))
-    return ParallelConfig(tp=tp, pp=pp, dp=int(dp), ep=ep)
+    return ParallelConfig(tp=tp, pp=pp, dp=int(dp), ep=ep, cp=cp, etp=etp)
 
 
 def consumed_samples(common: dict[str, Any]) -> int:

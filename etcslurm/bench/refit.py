@@ -78,6 +78,10 @@ def out_of_scope(spec: GPTSpec, old: ParallelConfig, new: ParallelConfig, leave:
     if spec.tied_embeddings and old.pp == 1 and new.pp > 1:
         return ("refit cannot reshard tied embeddings from PP 1 to PP > 1: the source has no "
                 "output_layer.weight for the target's last stage")
+    if old.etp or new.etp:
+        return ("the oracle builds refit's process groups on one grid, whose expert TP is "
+                "the dense TP; a layout with etp apart from tp needs megatron's second "
+                "(expert) grid, which it does not build")
     if not have_dump:
         return "the exact pre-migration weights (the global dump, verify_global) are needed"
     return None

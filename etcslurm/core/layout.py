@@ -3,11 +3,11 @@ parallelism for MoE models) in megatron-core's rank order: their text form, rank
 coordinates and validity.
 
 Text: ``tp{T}[cp{C}]pp{P}[vpp{V}]dp{D}[ep{E}][etp{X}]``; an omitted size is 1 (``etp``:
-equal to ``tp``, the only expert tensor parallelism etcslurm has).  Rank order is
-megatron-core's default ``tp-cp-ep-dp-pp``, i.e.
-``rank = tp + TP * (cp + CP * (dp + DP * pp))``: TP neighbours are adjacent ranks (so a TP
-group sits inside a node when ``TP`` divides the GPUs per node), then the context-parallel
-ranks of a sequence, and DP replicas of one pipeline stage follow each other.
+equal to ``tp``, megatron-core's default).  Rank order is megatron-core's default
+``tp-cp-ep-dp-pp``, i.e. ``rank = tp + TP * (cp + CP * (dp + DP * pp))``: TP neighbours are
+adjacent ranks (so a TP group sits inside a node when ``TP`` divides the GPUs per node),
+then the context-parallel ranks of a sequence, and DP replicas of one pipeline stage
+follow each other.
 
 Context parallelism (``cp``) splits each sequence over ``cp`` ranks: the weights are
 replicated over them, and megatron's distributed optimizer shards its buffers over the
@@ -16,11 +16,14 @@ shards though no weight moves.  An interleaved pipeline (``vpp`` > 1) gives each
 ``vpp`` non-contiguous chunks of layers (:mod:`etcslurm.core.stages`).
 
 Expert parallelism (``tp1pp1dp4ep2``) is megatron-core's: the dense parts are laid out as
-above; the experts of every MoE layer are split over ``ep`` ranks, which are consecutive
-data-parallel ranks (expert tensor parallelism = TP), and each expert shard is replicated
-over the expert-data-parallel size ``dp / ep``: a rank's expert coordinate is
-``ep_rank = dp % EP``, ``edp_rank = dp // EP`` (megatron's expert rank generator,
-``tp-cp-ep-dp-pp`` over (TP, EP, DP/EP, PP)).  ``ep`` must divide ``dp`` and the experts.
+above; the ``tp * dp`` ranks of a stage form a second grid for the experts, megatron's
+expert rank generator ``etp-ep-edp`` (expert tensor parallel first): a rank's index ``r``
+in its stage gives ``etp_rank = r % ETP``, ``ep_rank = (r // ETP) % EP``, ``edp_rank = r //
+(ETP * EP)``.  The experts of every MoE layer are split over ``ep`` ranks, each expert's
+MLP over ``etp`` ranks, and each expert shard is replicated over the expert-data-parallel
+size ``tp * dp / (etp * ep)``.  With ``etp = tp`` (the default) that is ``ep_rank = dp %
+EP`` and ``edp_rank = dp // EP``: consecutive DP ranks share out the experts.  ``etp *
+ep`` must divide ``tp * dp``.
 
 Which layout a run takes on the devices it has is :mod:`etcslurm.core.layout_choice`.
 """
@@ -52,18 +55,25 @@ class RankCoord(NamedTuple):
 
 
 class ExpertCoord(NamedTuple):
-    """A rank's coordinate among the experts: which expert shard, which replica of it."""
+    """A rank's coordinate among the experts: which experts (``ep``), which replica of
+    them (``edp``), which tensor-parallel slice of each expert (``etp``)."""
 
     ep: int
     edp: int
+    etp: int = 0
 
 
 @dataclass(frozen=True, order=True)
 class ParallelConfig:
-    """Tensor-, pipeline-, data-, expert- and context-parallel sizes and the virtual
-    pipeline size; text form ``tp2pp2dp4`` (``tp1pp1dp4ep2`` when ``ep`` > 1,
-    ``tp8cp2pp4vpp5dp8`` with context parallelism and an interleaved pipeline).  ``ep``
-    splits a MoE model's experts over consecutive DP ranks; it must divide ``dp``."""
+    """Tensor-, pipeline-, data-, expert- and context-parallel sizes, the virtual
+    pipeline size and the expert tensor-parallel size; text form ``tp2pp2dp4``
+    (``tp1pp1dp4ep2`` when ``ep`` > 1, ``tp1pp1dp4ep2etp2`` when the experts' TP differs
+    from ``tp``, ``tp8cp2pp4vpp5dp8`` with context parallelism and an interleaved
+    pipeline).  ``ep`` splits a MoE model's experts, ``etp`` each expert's MLP.
+
+    ``etp`` 0 means "equal to ``tp``" and is what an ``etp`` equal to ``tp`` is stored as,
+    so a layout has one value whichever way it was written, and ``replace(cfg, tp=…)``
+    keeps the experts' TP following the dense TP (read the size as :attr:`expert_tp`)."""
 
     tp: int
     pp: int
@@ -71,12 +81,20 @@ class ParallelConfig:
     ep: int = 1
     cp: int = 1
     vpp: int = 1
+    etp: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "ep", "cp", "vpp"):
+        for name in ("tp", "pp", "dp", "ep", "cp", "vpp", "etp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < (name != "etp"):
                 raise LayoutError(f"layout: {name} must be a positive integer, got {value!r}")
+        if self.etp == self.tp:
+            object.__setattr__(self, "etp", 0)
+
+    @property
+    def expert_tp(self) -> int:
+        """The tensor-parallel size of each expert's MLP (megatron's ETP)."""
+        return self.etp or self.tp
 
     @classmethod
     def parse(cls, text: str) -> ParallelConfig:
@@ -86,20 +104,17 @@ class ParallelConfig:
         tp, cp, pp, vpp, dp, ep = (int(g) if g is not None else 1 for g in match.groups()[:6])
         if min(tp, cp, pp, vpp, dp, ep) < 1:
             raise LayoutError(f"layout {text!r}: every size must be at least 1")
-        etp = match.group(7)
-        if etp is not None and int(etp) != tp:
-            raise LayoutError(
-                f"layout {text!r}: etp={etp} differs from tp={tp}; etcslurm shards experts "
-                "with the tensor-parallel size (expert tensor parallelism apart from TP is "
-                "not supported)"
-            )
-        return cls(tp, pp, dp, ep, cp, vpp)
+        etp = int(match.group(7)) if match.group(7) is not None else tp
+        if etp < 1:
+            raise LayoutError(f"layout {text!r}: every size must be at least 1")
+        return cls(tp, pp, dp, ep, cp, vpp, etp)
 
     def __str__(self) -> str:
         cp = f"cp{self.cp}" if self.cp > 1 else ""
         vpp = f"vpp{self.vpp}" if self.vpp > 1 else ""
         ep = f"ep{self.ep}" if self.ep > 1 else ""
-        return f"tp{self.tp}{cp}pp{self.pp}{vpp}dp{self.dp}{ep}"
+        etp = f"etp{self.etp}" if self.etp else ""
+        return f"tp{self.tp}{cp}pp{self.pp}{vpp}dp{self.dp}{ep}{etp}"
 
     def batch_problem(self, global_batch: int, micro_batch: int = 1) -> str | None:
         """Why this layout cannot train ``global_batch`` samples per step in micro-batches
@@ -116,13 +131,17 @@ class ParallelConfig:
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel size: the replicas of each expert shard (``dp / ep``)."""
-        return self.dp // self.ep
+        """Expert-data-parallel size: the replicas of each expert shard (``tp * cp * dp /
+        (etp * ep)``; ``dp / ep`` when ``etp = tp`` without CP)."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
     def expert_coord(self, rank: int) -> ExpertCoord:
-        """Which expert shard (``ep``) and which replica of it (``edp``) a rank holds."""
-        dp = self.coord(rank).dp
-        return ExpertCoord(dp % self.ep, dp // self.ep)
+        """Which experts (``ep``), which replica of them (``edp``) and which slice of each
+        (``etp``) a rank holds: megatron's expert grid over the ranks of its stage."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside {self} (world size {self.world_size})")
+        r, etp = rank % (self.tp * self.cp * self.dp), self.expert_tp
+        return ExpertCoord((r // etp) % self.ep, r // (etp * self.ep), r % etp)
 
     @property
     def world_size(self) -> int:
@@ -158,16 +177,36 @@ class ParallelConfig:
         out: list[str] = []
         if world_size is not None and self.world_size != world_size:
             out.append(f"{self} needs {self.world_size} devices, not {world_size}")
-        if self.dp % self.ep:
+        if not self.etp and self.dp % self.ep:
             out.append(f"ep={self.ep} does not divide dp={self.dp}")
+        if self.etp:
+            out.extend(self._etp_problems(spec))
         if self.cp > 1 and self.ep > 1:
             out.append("context parallelism with expert parallelism is not supported")
         if spec is not None:
-            out.extend(spec.tp_problems(self.tp))  # heads, query groups, ffn
+            out.extend(spec.tp_problems(self.tp, self.expert_tp))  # heads, groups, ffn
             out.extend(split_problems(spec, self.pp, self.vpp))  # layers over pp x vpp
             if spec.seq % (2 * self.cp) and self.cp > 1:
                 out.append(f"seq={spec.seq} is not divisible by 2*cp={2 * self.cp}")
             out.extend(spec.ep_problems(self.ep))  # a MoE model, experts divisible
+        return out
+
+    def _etp_problems(self, spec: GPTSpec | None) -> list[str]:
+        """Why this layout's expert TP (apart from TP) is unusable: the experts' grid must
+        fill a stage, megatron keeps experts apart from the dense gradients only with EP >
+        1 (with EP 1 they would be reduced over the dense DP group, which holds other
+        slices of them), and only a MoE model has experts."""
+        out = []
+        stage = self.tp * self.cp * self.dp
+        if stage % (self.etp * self.ep):
+            out.append(f"etp×ep = {self.etp * self.ep} does not divide the {stage} ranks "
+                       f"of a stage (tp×cp×dp)")
+        if self.ep == 1:
+            out.append(f"etp={self.etp} differs from tp={self.tp}, which megatron-core "
+                       "supports only with ep > 1")
+        if spec is not None and not spec.moe:
+            out.append(f"etp={self.etp} needs a mixture-of-experts model (this one has "
+                       "experts=0)")
         return out
 
     def validate(self, spec: GPTSpec | None = None, world_size: int | None = None,

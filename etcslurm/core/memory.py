@@ -146,7 +146,7 @@ def _layer_elements(spec: GPTSpec, cfg: ParallelConfig) -> tuple[int, int]:
     qkv = spec.qkv_rows // tp
     attn = h * (spec.heads * spec.kv_channels // tp) + bias * h + qkv * h + bias * qkv
     if spec.moe:
-        f = int(spec.expert_ffn or 0) // tp
+        f = int(spec.expert_ffn or 0) // cfg.expert_tp
         one = (2 if spec.gated else 1) * f * h + h * f
         return norms + attn + spec.experts * h, (spec.experts // cfg.ep) * one
     f = spec.ffn // tp

@@ -287,8 +287,10 @@ class GPTSpec:
     def norm_has_bias(self) -> bool:
         return self.norm == "LayerNorm"
 
-    def tp_problems(self, tp: int) -> list[str]:
-        """What makes tensor-parallel size ``tp`` unusable for this model."""
+    def tp_problems(self, tp: int, etp: int | None = None) -> list[str]:
+        """What makes tensor-parallel size ``tp`` (and expert tensor-parallel size ``etp``;
+        None: ``tp``) unusable for this model."""
+        etp = tp if etp is None else etp
         out = []
         if self.heads % tp:
             out.append(f"heads={self.heads} is not divisible by tp={tp}")
@@ -296,8 +298,9 @@ class GPTSpec:
             out.append(f"query_groups={self.groups} is not divisible by tp={tp}")
         if self.ffn % tp and not self.moe:
             out.append(f"ffn={self.ffn} is not divisible by tp={tp}")
-        if self.moe and int(self.expert_ffn or 0) % tp:
-            out.append(f"expert_ffn={self.expert_ffn} is not divisible by tp={tp}")
+        name = "tp" if etp == tp else "etp"
+        if self.moe and int(self.expert_ffn or 0) % etp:
+            out.append(f"expert_ffn={self.expert_ffn} is not divisible by {name}={etp}")
         return out
 
     def ep_problems(self, ep: int) -> list[str]:

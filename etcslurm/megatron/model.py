@@ -202,9 +202,11 @@ def torch_dtype(spec: GPTSpec, dtype: torch.dtype | str | None = None) -> torch.
     return TORCH_DTYPES[name]
 
 
-def transformer_config(spec: GPTSpec, config: ParallelConfig, dtype: torch.dtype) -> Any:
+def transformer_config(spec: GPTSpec, config: ParallelConfig, dtype: torch.dtype,
+                       state_only: bool = False) -> Any:
     """megatron-core's TransformerConfig for ``spec``: GELU/SwiGLU, LayerNorm/RMSNorm,
-    MHA/GQA, biases as the spec says; deterministic (dropout 0), CPU initialisation."""
+    MHA/GQA, biases as the spec says; deterministic (dropout 0), CPU initialisation
+    (``state_only``: a model never trained, see :func:`build_gpt`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -243,8 +245,10 @@ def transformer_config(spec: GPTSpec, config: ParallelConfig, dtype: torch.dtype
         fp16=dtype == torch.float16,
         init_method_std=0.02,
         **_init_methods(),
-        # MoE with TP > 1: megatron requires it (moe_settings); dense models do without
-        sequence_parallel=spec.moe and config.tp > 1,
+        # MoE with TP > 1: megatron requires it to train (moe_settings); dense models and
+        # a model that only holds state (where the local norms without Apex refuse it) do
+        # without: it changes no tensor's shape or place
+        sequence_parallel=spec.moe and config.tp > 1 and not state_only,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
@@ -303,7 +307,8 @@ def moe_settings(spec: GPTSpec, config: ParallelConfig) -> dict[str, Any]:
 
     Why these: the all-gather token dispatcher and one ``SequentialMLP`` per layer
     (``moe_grouped_gemm=False``) are the MoE path megatron-core runs without Transformer
-    Engine, so on CPU/gloo too; expert tensor parallelism follows TP (megatron's default);
+    Engine, so on CPU/gloo too; expert tensor parallelism is the layout's ``etp`` (TP unless
+    the layout says otherwise);
     with TP > 1 megatron trains MoE layers only with sequence parallelism (it raises
     otherwise), which changes no tensor's shape or place.
     """
@@ -314,6 +319,7 @@ def moe_settings(spec: GPTSpec, config: ParallelConfig) -> dict[str, Any]:
         moe_router_topk=spec.topk,
         moe_ffn_hidden_size=spec.expert_ffn,
         expert_model_parallel_size=config.ep,
+        expert_tensor_parallel_size=config.expert_tp,
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,
         moe_aux_loss_coeff=MOE_AUX_LOSS_COEFF,
@@ -357,12 +363,13 @@ def build_gpt(
         parallel_state.get_tensor_model_parallel_world_size() != config.tp
         or parallel_state.get_pipeline_model_parallel_world_size() != config.pp
         or parallel_state.get_expert_model_parallel_world_size() != config.ep
+        or parallel_state.get_expert_tensor_parallel_world_size() != config.expert_tp
         or parallel_state.get_context_parallel_world_size() != config.cp
         or (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) != config.vpp
     ):
         raise UsageError(f"parallel_state is not initialised for {config}")
     problem = moe_layout_problem(spec, config)
-    if problem:
+    if problem and not state_only:  # megatron refuses to train it, not to hold its state
         raise UsageError(problem)
     if config.cp > 1 and not state_only:
         raise UsageError(
@@ -373,7 +380,7 @@ def build_gpt(
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    tcfg = transformer_config(spec, config, dtype)
+    tcfg = transformer_config(spec, config, dtype, state_only)
     chunks = []
     # an interleaved pipeline: one GPTModel per virtual stage, in chunk order (as
     # Megatron-LM's get_model builds them); megatron needs vp_stage only when vpp > 1

@@ -105,6 +105,7 @@ def init_model_parallel(config: ParallelConfig, timeout_s: float = DEFAULT_TIMEO
             tensor_model_parallel_size=config.tp,
             pipeline_model_parallel_size=config.pp,
             expert_model_parallel_size=config.ep,
+            expert_tensor_parallel_size=config.expert_tp,
             context_parallel_size=config.cp,
             virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
             distributed_timeout_minutes=max(1, int(timeout_s // 60)),

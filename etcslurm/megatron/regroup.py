@@ -60,18 +60,20 @@ def can_keep(old: tuple[ParallelConfig, int], new: tuple[ParallelConfig, int],
              optimizer_kind: str) -> bool:
     """Whether a rank of ``old`` that becomes ``new`` keeps every parameter in place.
 
-    Same TP, PP and EP sizes, the same TP and PP coordinate (and expert shard), and the
+    Same TP, PP, EP and expert TP sizes, the same TP and PP coordinate (and expert shard
+    and slice), and the
     replicated optimizer (the distributed one's shards follow the DP rank).
     """
     (a, ra), (b, rb) = old, new
     if optimizer_kind != "adam":
         return False
-    if (a.tp, a.pp, getattr(a, "ep", 1)) != (b.tp, b.pp, getattr(b, "ep", 1)):
+    if (a.tp, a.pp, a.ep, a.expert_tp) != (b.tp, b.pp, b.ep, b.expert_tp):
         return False
     ca, cb = a.coord(ra), b.coord(rb)
     if (ca.tp, ca.pp) != (cb.tp, cb.pp):
         return False
-    return getattr(a, "ep", 1) == 1 or a.expert_coord(ra).ep == b.expert_coord(rb).ep
+    ea, eb = a.expert_coord(ra), b.expert_coord(rb)
+    return a.ep == 1 or (ea.ep, ea.etp) == (eb.ep, eb.etp)
 
 
 def _is_group(value: Any) -> bool:

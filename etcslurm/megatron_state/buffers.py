@@ -20,7 +20,7 @@ import bisect
 import math
 from functools import lru_cache
 
-from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.layout import ExpertCoord, ParallelConfig
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.state import Piece
 from etcslurm.megatron_state.params import (
@@ -84,20 +84,24 @@ def ddp_bucket_size(dp: int, pp_rank: int, overlap_grad_reduce: bool,
 def shard_block(
     spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int, dp_rank: int,
     params_dtype: str, overlap_grad_reduce: bool, vocab_pad_tp: int | None,
+    expert: ExpertCoord | None = None,
 ) -> tuple[Piece, ...]:
     """The distributed optimizer's ZeRO-1 shard of one rank, every model chunk's: of the
     dense buffer (sharded over DP x CP; ``dp_rank`` is the rank's index there,
-    :meth:`ParallelConfig.shard_rank`) and, for a MoE model, of the expert buffer (sharded
-    over expert DP)."""
+    :meth:`ParallelConfig.shard_rank`) and, for a MoE model with EP > 1, of the expert
+    buffer (sharded over expert DP; ``expert``: the rank's
+    :meth:`ParallelConfig.expert_coord`)."""
+    expert = expert or ExpertCoord(0, 0)
     out: tuple[Piece, ...] = ()
+    etp_rank = expert.etp if cfg.etp else None
     for chunk in range(cfg.vpp):
         out += _buffer_shard(spec, cfg, tp_rank, pp_rank, dp_rank, params_dtype,
-                             overlap_grad_reduce, vocab_pad_tp, expert=False, chunk=chunk)
+                             overlap_grad_reduce, vocab_pad_tp, expert=False, chunk=chunk,
+                             ep_rank=expert.ep, etp_rank=etp_rank)
         if spec.moe and cfg.ep > 1:
-            ep_rank, edp_rank = divmod(dp_rank, cfg.ep)[::-1]
-            out += _buffer_shard(spec, cfg, tp_rank, pp_rank, edp_rank, params_dtype,
+            out += _buffer_shard(spec, cfg, tp_rank, pp_rank, expert.edp, params_dtype,
                                  overlap_grad_reduce, vocab_pad_tp, expert=True,
-                                 ep_rank=ep_rank, chunk=chunk)
+                                 ep_rank=expert.ep, chunk=chunk, etp_rank=etp_rank)
     return out
 
 
@@ -111,11 +115,11 @@ def _in_expert_buffer(param: ParamDef, cfg: ParallelConfig) -> bool:
 def _buffer_shard(
     spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int, dp_rank: int,
     params_dtype: str, overlap_grad_reduce: bool, vocab_pad_tp: int | None, *,
-    expert: bool, ep_rank: int = 0, chunk: int = 0,
+    expert: bool, ep_rank: int = 0, chunk: int = 0, etp_rank: int | None = None,
 ) -> tuple[Piece, ...]:
     """One DP rank's ZeRO-1 shard of one DDP buffer (``dp_rank``: in the buffer's group)."""
     params = [p for p in cached_stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp,
-                                             ep_rank, chunk)
+                                             ep_rank, chunk, etp_rank)
               if _in_expert_buffer(p, cfg) == expert]
     kinds = opt_kinds("distributed", params_dtype)
     buckets, _, order, starts, ends = _buffer_layout_cached(

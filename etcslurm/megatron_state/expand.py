@@ -41,7 +41,7 @@ def check_model(spec: GPTSpec, cfg: ParallelConfig, params_dtype: str | None = N
     """Validate ``cfg`` for ``spec`` (TP must split heads, query groups and ffn); returns
     the params dtype to use (``params_dtype`` or the spec's)."""
     cfg.validate(spec)
-    problems = spec.tp_problems(cfg.tp)
+    problems = spec.tp_problems(cfg.tp, cfg.expert_tp)
     if problems:
         raise UsageError(f"layout {cfg} is invalid for {spec}: {'; '.join(problems)}")
     dtype = params_dtype or spec.dtype
@@ -54,10 +54,12 @@ def check_model(spec: GPTSpec, cfg: ParallelConfig, params_dtype: str | None = N
 def _model_block(
     spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int, optimizer: str,
     params_dtype: str, vocab_pad_tp: int | None, ep_rank: int = 0,
+    etp_rank: int | None = None,
 ) -> tuple[Piece, ...]:
-    """What every DP replica of (tp, pp) -- MoE: every expert-DP replica of (tp, pp, ep)
-    -- holds: params (+ plain Adam's state)."""
-    params = stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp, ep_rank)
+    """What every DP replica of (tp, pp) -- MoE: every expert-DP replica of (tp, pp, ep,
+    etp) -- holds: params (+ plain Adam's state)."""
+    params = stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp, ep_rank,
+                          etp_rank=etp_rank)
     out = [Piece(p.key, b, params_dtype) for p in params for b in p.boxes]
     if optimizer == "adam":
         kinds = opt_kinds(optimizer, params_dtype)
@@ -67,19 +69,11 @@ def _model_block(
     return tuple(out)
 
 
-def _class_pieces(
-    spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int, dp_rank: int | None,
-    optimizer: str, params_dtype: str, overlap_grad_reduce: bool,
-    vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
-) -> tuple[Piece, ...]:
-    ep_rank = (dp_rank or 0) % cfg.ep
-    out = _model_block(spec, cfg, tp_rank, pp_rank, optimizer, params_dtype, vocab_pad_tp,
-                       ep_rank)
-    if optimizer == "adam":
-        return out
-    assert dp_rank is not None
-    return out + shard_block(spec, cfg, tp_rank, pp_rank, dp_rank, params_dtype,
-                              overlap_grad_reduce, vocab_pad_tp)
+def _block_key(cfg: ParallelConfig, rank: int) -> tuple[int, int, int, int | None]:
+    """What a rank's model block depends on: (tp, pp, ep rank, etp rank), the etp rank None
+    when the experts follow TP (it is then the tp rank)."""
+    c, e = cfg.coord(rank), cfg.expert_coord(rank)
+    return c.tp, c.pp, e.ep, (e.etp if cfg.etp else None)
 
 
 def rank_pieces(
@@ -91,14 +85,12 @@ def rank_pieces(
     spec's ``dtype``)."""
     check_optimizer(optimizer)
     params_dtype = check_model(spec, cfg, params_dtype)
-    c = cfg.coord(rank)
-    if optimizer == "adam" and cfg.ep > 1:  # the model block depends on the EP rank
-        block = _model_block(spec, cfg, c.tp, c.pp, optimizer, params_dtype, vocab_pad_tp,
-                             cfg.expert_coord(rank).ep)
-        return list(block)
-    shard = cfg.shard_rank(rank) if optimizer == "distributed" else None
-    return list(_class_pieces(spec, cfg, c.tp, c.pp, shard,
-                              optimizer, params_dtype, overlap_grad_reduce, vocab_pad_tp))
+    tp, pp, ep, etp = _block_key(cfg, rank)
+    out = _model_block(spec, cfg, tp, pp, optimizer, params_dtype, vocab_pad_tp, ep, etp)
+    if optimizer == "distributed":
+        out += shard_block(spec, cfg, tp, pp, cfg.shard_rank(rank), params_dtype,
+                           overlap_grad_reduce, vocab_pad_tp, cfg.expert_coord(rank))
+    return list(out)
 
 
 @dataclass(frozen=True)
@@ -135,28 +127,24 @@ def expand(
     check_optimizer(optimizer)
     params_dtype = check_model(spec, cfg, params_dtype)
     blocks: list[tuple[Piece, ...]] = []
-    model_block: dict[tuple[int, int, int], int] = {}
-    for pp in range(cfg.pp):
-        for tp in range(cfg.tp):
-            for ep in range(cfg.ep):  # a MoE model's experts differ per EP rank
-                model_block[(tp, pp, ep)] = len(blocks)
-                blocks.append(_model_block(spec, cfg, tp, pp, optimizer, params_dtype,
-                                           vocab_pad_tp, ep))
+    keys = [_block_key(cfg, rank) for rank in range(cfg.world_size)]
+    model_block: dict[tuple[int, int, int, int | None], int] = {}
+    # in (pp, tp, ep, etp) order: a MoE model's experts differ per EP (and ETP) rank
+    for key in sorted(set(keys), key=lambda k: (k[1], k[0], k[2], k[3] or 0)):
+        tp, pp, ep, etp = key
+        model_block[key] = len(blocks)
+        blocks.append(_model_block(spec, cfg, tp, pp, optimizer, params_dtype, vocab_pad_tp,
+                                   ep, etp))
     class_blocks: list[tuple[int, ...]] = []
     rank_class: list[int] = []
-
-    def block_of(rank: int) -> int:
-        c = cfg.coord(rank)
-        return model_block[(c.tp, c.pp, c.dp % cfg.ep)]
-
     if optimizer == "adam":
         class_blocks = [(i,) for i in range(len(blocks))]
-        rank_class = [block_of(rank) for rank in range(cfg.world_size)]
+        rank_class = [model_block[key] for key in keys]
     else:
-        for rank in range(cfg.world_size):
-            c = cfg.coord(rank)
-            blocks.append(shard_block(spec, cfg, c.tp, c.pp, cfg.shard_rank(rank), params_dtype,
-                                       overlap_grad_reduce, vocab_pad_tp))
-            class_blocks.append((block_of(rank), len(blocks) - 1))
+        for rank, key in enumerate(keys):
+            tp, pp = key[0], key[1]
+            blocks.append(shard_block(spec, cfg, tp, pp, cfg.shard_rank(rank), params_dtype,
+                                      overlap_grad_reduce, vocab_pad_tp, cfg.expert_coord(rank)))
+            class_blocks.append((model_block[key], len(blocks) - 1))
             rank_class.append(rank)
     return LayoutState(cfg, tuple(blocks), tuple(class_blocks), tuple(rank_class))

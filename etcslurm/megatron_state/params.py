@@ -96,11 +96,14 @@ def _split(extent: int, tp: int, tp_rank: int) -> tuple[int, int]:
 
 def stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int,
                  vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
-                 ep_rank: int = 0, chunk: int | None = None) -> list[ParamDef]:
-    """Parameters of one (tp, pp) rank -- for a MoE model, of one (tp, pp, ep) rank -- in
-    ``model.named_parameters()`` order (cached); ``chunk``: only that model chunk of an
-    interleaved pipeline (None: all of the rank's chunks, chunk 0 first)."""
-    return list(cached_stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp, ep_rank, chunk))
+                 ep_rank: int = 0, chunk: int | None = None,
+                 etp_rank: int | None = None) -> list[ParamDef]:
+    """Parameters of one (tp, pp) rank -- for a MoE model, of one (tp, pp, ep, etp) rank
+    -- in ``model.named_parameters()`` order (cached); ``chunk``: only that model chunk of
+    an interleaved pipeline (None: all of the rank's chunks, chunk 0 first); ``etp_rank``:
+    the rank's slice of each expert (None: ``tp_rank``, as when ``etp = tp``)."""
+    return list(cached_stage_params(spec, cfg, tp_rank, pp_rank, vocab_pad_tp, ep_rank, chunk,
+                                    etp_rank))
 
 
 def _gated(key: str, lay: tuple[int, int], rows: int, tp: int, tp_rank: int,
@@ -120,11 +123,12 @@ EXPERT_FC1_KEY = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
 EXPERT_FC2_KEY = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
 
 
-def _moe_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, ep_rank: int,
+def _moe_params(spec: GPTSpec, cfg: ParallelConfig, etp_rank: int, ep_rank: int,
                 lay: tuple[int, int]) -> list[ParamDef]:
     """One MoE layer's router (replicated) and this rank's experts: experts
-    ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``, each TP-split like a dense MLP."""
-    h, f, tp = spec.hidden, int(spec.expert_ffn or 0), cfg.tp
+    ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``, each split over the experts' TP (``etp``)
+    like a dense MLP over TP."""
+    h, f, tp, tp_rank = spec.hidden, int(spec.expert_ffn or 0), cfg.expert_tp, etp_rank
     out = [ParamDef(ROUTER_KEY, (lay, (0, spec.experts), (0, h)))]
     per_rank = spec.experts // cfg.ep
     for g in range(ep_rank * per_rank, (ep_rank + 1) * per_rank):
@@ -142,7 +146,8 @@ def _moe_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, ep_rank: int,
 @lru_cache(maxsize=1024)
 def cached_stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_rank: int,
                         vocab_pad_tp: int | None = DEFAULT_VOCAB_PAD_TP,
-                        ep_rank: int = 0, chunk: int | None = None) -> tuple[ParamDef, ...]:
+                        ep_rank: int = 0, chunk: int | None = None,
+                        etp_rank: int | None = None) -> tuple[ParamDef, ...]:
     """Parameters of one (tp, pp) rank in ``model.named_parameters()`` order (one tuple
     per rank, shared: :func:`stage_params` gives a list).  An interleaved pipeline's rank
     holds ``vpp`` model chunks, each a model of its own (its own DDP buffer): ``chunk``
@@ -159,7 +164,7 @@ def cached_stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_ran
     """
     if chunk is None:
         return tuple(p for v in range(cfg.vpp) for p in cached_stage_params(
-            spec, cfg, tp_rank, pp_rank, vocab_pad_tp, ep_rank, v))
+            spec, cfg, tp_rank, pp_rank, vocab_pad_tp, ep_rank, v, etp_rank))
     h, f, tp = spec.hidden, spec.ffn, cfg.tp
     vocab = padded_vocab(spec, tp, vocab_pad_tp)
     first, last = pp_rank == 0 and chunk == 0, pp_rank == cfg.pp - 1 and chunk == cfg.vpp - 1
@@ -195,7 +200,8 @@ def cached_stage_params(spec: GPTSpec, cfg: ParallelConfig, tp_rank: int, pp_ran
         if norm_bias:
             out.append(ParamDef(mlp + "linear_fc1.layer_norm_bias", (lay, full(h))))
         if spec.moe:
-            out.extend(_moe_params(spec, cfg, tp_rank, ep_rank, lay))
+            out.extend(_moe_params(spec, cfg, tp_rank if etp_rank is None else etp_rank,
+                                   ep_rank, lay))
             continue
         if spec.gated:
             out.append(_gated(mlp + "linear_fc1.weight", lay, f, tp, tp_rank, full(h)))

@@ -78,12 +78,12 @@ def migration_job(world: Any, settings: LayoutSettings, record: GenerationRecord
 
 def nothing_moves(analytic: bool, optimizer: str, record: GenerationRecord) -> bool:
     """Whether every participant can tell from ``record`` alone that no byte moves: the
-    same TP, PP and EP, no participant without old state, the replicated optimizer, and
+    same TP, PP, EP and expert TP, no participant without old state, the replicated optimizer, and
     the decider's plan of etcslurm's own model moves nothing."""
     if not analytic or optimizer != "adam" or not record.from_layout:
         return False
     a, b = ParallelConfig.parse(record.from_layout), ParallelConfig.parse(record.to_layout)
-    if (a.tp, a.pp, a.ep) != (b.tp, b.pp, b.ep):
+    if (a.tp, a.pp, a.ep, a.expert_tp) != (b.tp, b.pp, b.ep, b.expert_tp):
         return False
     if any(pid.startswith("join:") for pid in record.planner_ids.values()):
         return False

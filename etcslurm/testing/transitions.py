@@ -85,6 +85,10 @@ MATRIX = (
          extra={"checkpoint": False}),
     Case("ep-to-pp", "moe-tiny", "tp1pp1dp4ep2", "tp1pp2dp2", optimizer="distributed",
          dtype="bf16", extra={"checkpoint": False}),
+    # expert tensor parallelism apart from TP: each expert's MLP split over two ranks that
+    # are DP replicas of the dense parts, and back
+    Case("etp-shrink", "moe-tiny", "tp1pp1dp4ep2etp2", "tp1pp1dp4ep2", optimizer="distributed"),
+    Case("etp-grow-from-pp", "moe-tiny", "tp1pp2dp2ep2", "tp1pp1dp4ep2etp2", dtype="bf16"),
 )
 
 #: models of the random transitions (dense: a MoE layout with TP > 1 does not train on CPU)
