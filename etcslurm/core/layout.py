@@ -102,10 +102,9 @@ class ParallelConfig:
         if not match:
             raise LayoutError(f"layout {text!r} is not of the form {_FORM}")
         tp, cp, pp, vpp, dp, ep = (int(g) if g is not None else 1 for g in match.groups()[:6])
-        if min(tp, cp, pp, vpp, dp, ep) < 1:
-            raise LayoutError(f"layout {text!r}: every size must be at least 1")
         etp = int(match.group(7)) if match.group(7) is not None else tp
-        if etp < 1:
+        # checked here, not only by the constructor: there etp 0 means "equal to tp"
+        if min(tp, cp, pp, vpp, dp, ep, etp) < 1:
             raise LayoutError(f"layout {text!r}: every size must be at least 1")
         return cls(tp, pp, dp, ep, cp, vpp, etp)
 

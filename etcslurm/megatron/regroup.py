@@ -61,8 +61,8 @@ def can_keep(old: tuple[ParallelConfig, int], new: tuple[ParallelConfig, int],
     """Whether a rank of ``old`` that becomes ``new`` keeps every parameter in place.
 
     Same TP, PP, EP and expert TP sizes, the same TP and PP coordinate (and expert shard
-    and slice), and the
-    replicated optimizer (the distributed one's shards follow the DP rank).
+    and slice), and the replicated optimizer (the distributed one's shards follow the DP
+    rank).
     """
     (a, ra), (b, rb) = old, new
     if optimizer_kind != "adam":

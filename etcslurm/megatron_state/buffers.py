@@ -95,9 +95,10 @@ def shard_block(
     out: tuple[Piece, ...] = ()
     etp_rank = expert.etp if cfg.etp else None
     for chunk in range(cfg.vpp):
+        # the dense buffer holds no expert param when EP > 1, and with EP 1 every rank's
+        # experts are expert rank 0's: one cached param list per (tp, pp) serves all ranks
         out += _buffer_shard(spec, cfg, tp_rank, pp_rank, dp_rank, params_dtype,
-                             overlap_grad_reduce, vocab_pad_tp, expert=False, chunk=chunk,
-                             ep_rank=expert.ep, etp_rank=etp_rank)
+                             overlap_grad_reduce, vocab_pad_tp, expert=False, chunk=chunk)
         if spec.moe and cfg.ep > 1:
             out += _buffer_shard(spec, cfg, tp_rank, pp_rank, expert.edp, params_dtype,
                                  overlap_grad_reduce, vocab_pad_tp, expert=True,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from etcslurm.core.layout import ParallelConfig
+from etcslurm.core.layout import ExpertCoord, ParallelConfig
 from etcslurm.core.models import GPTSpec
 from etcslurm.core.state import Piece
 from etcslurm.errors import UsageError
@@ -69,11 +69,13 @@ def _model_block(
     return tuple(out)
 
 
-def _block_key(cfg: ParallelConfig, rank: int) -> tuple[int, int, int, int | None]:
+def _block_key(cfg: ParallelConfig, rank: int,
+               expert: ExpertCoord) -> tuple[int, int, int, int | None]:
     """What a rank's model block depends on: (tp, pp, ep rank, etp rank), the etp rank None
-    when the experts follow TP (it is then the tp rank)."""
-    c, e = cfg.coord(rank), cfg.expert_coord(rank)
-    return c.tp, c.pp, e.ep, (e.etp if cfg.etp else None)
+    when the experts follow TP (it is then the tp rank); ``expert``: the rank's
+    :meth:`ParallelConfig.expert_coord`."""
+    c = cfg.coord(rank)
+    return c.tp, c.pp, expert.ep, (expert.etp if cfg.etp else None)
 
 
 def rank_pieces(
@@ -85,11 +87,12 @@ def rank_pieces(
     spec's ``dtype``)."""
     check_optimizer(optimizer)
     params_dtype = check_model(spec, cfg, params_dtype)
-    tp, pp, ep, etp = _block_key(cfg, rank)
+    expert = cfg.expert_coord(rank)
+    tp, pp, ep, etp = _block_key(cfg, rank, expert)
     out = _model_block(spec, cfg, tp, pp, optimizer, params_dtype, vocab_pad_tp, ep, etp)
     if optimizer == "distributed":
         out += shard_block(spec, cfg, tp, pp, cfg.shard_rank(rank), params_dtype,
-                           overlap_grad_reduce, vocab_pad_tp, cfg.expert_coord(rank))
+                           overlap_grad_reduce, vocab_pad_tp, expert)
     return list(out)
 
 
@@ -127,7 +130,8 @@ def expand(
     check_optimizer(optimizer)
     params_dtype = check_model(spec, cfg, params_dtype)
     blocks: list[tuple[Piece, ...]] = []
-    keys = [_block_key(cfg, rank) for rank in range(cfg.world_size)]
+    experts = [cfg.expert_coord(rank) for rank in range(cfg.world_size)]
+    keys = [_block_key(cfg, rank, e) for rank, e in enumerate(experts)]
     model_block: dict[tuple[int, int, int, int | None], int] = {}
     # in (pp, tp, ep, etp) order: a MoE model's experts differ per EP (and ETP) rank
     for key in sorted(set(keys), key=lambda k: (k[1], k[0], k[2], k[3] or 0)):
@@ -144,7 +148,7 @@ def expand(
         for rank, key in enumerate(keys):
             tp, pp = key[0], key[1]
             blocks.append(shard_block(spec, cfg, tp, pp, cfg.shard_rank(rank), params_dtype,
-                                      overlap_grad_reduce, vocab_pad_tp, cfg.expert_coord(rank)))
+                                      overlap_grad_reduce, vocab_pad_tp, experts[rank]))
             class_blocks.append((model_block[key], len(blocks) - 1))
             rank_class.append(rank)
     return LayoutState(cfg, tuple(blocks), tuple(class_blocks), tuple(rank_class))
