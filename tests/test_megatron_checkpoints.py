@@ -39,6 +39,7 @@ from etcslurm.megatron_state import dp_reshardable as fmt
 from etcslurm.megatron_state import rank_pieces
 from etcslurm.megatron_state.buffers import _buffer_layout_cached
 from etcslurm.megatron_state.params import stage_params
+from etcslurm.runtime.recovery import REFORMED
 from tests.helpers import pids_alive
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -358,7 +359,12 @@ def test_plain_dp_reshardable_tp2pp2_checkpoint_resumed_by_an_elastic_run_at_tp1
     plain, result = chain["plain"], chain["result"]
     assert sorted(plain) == list(range(1, STEPS + 1))
     gens = result.generations
-    assert [(g["kind"], g["to"]) for g in gens] == [("start", "tp1pp2dp2")], gens
+    assert [(g["kind"], g["to"]) for g in gens[:1]] == [("start", "tp1pp2dp2")], gens
+    # a collective that a loaded host holds past its timeout forms the same world again
+    # (nothing moves, nobody is dead); any other generation is a change the run never asked for
+    for g in gens[1:]:
+        assert (g["to"] == "tp1pp2dp2" and not g["dead"] and not g["moved_bytes"]
+                and g["reason"].startswith(REFORMED)), gens
     assert all(code == 0 for code in result.exit_codes.values()), result.exit_codes
     assert pids_alive(result.pids) == [], "no worker process may outlive the run"
     assert sorted(result.losses) == list(range(3, STEPS + 1))  # resumed after step 2

@@ -253,7 +253,7 @@ class LocalRun:
                     "dead": list(rec.dead), "idle": list(rec.idle),
                     "step": rec.step, "ts": ev["ts"],
                     "moved_bytes": (rec.plan_stats or {}).get("moved_bytes"),
-                    "reason": rec.layout_reason or rec.reason,
+                    "reason": rec.reason, "layout_reason": rec.layout_reason,
                 })
             elif kind in ("migration.progress", "migration.rebuild"):
                 self.migration_events.append(ev)

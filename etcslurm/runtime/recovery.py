@@ -29,6 +29,9 @@ from etcslurm.runtime.transitions import publish_next
 
 log = logging.getLogger("etcslurm.runtime")
 
+#: why a generation forms the same world again (every peer alive, a collective failed)
+REFORMED = "recover: a collective failed with every peer alive"
+
 
 def recover(ctx: Context, state: State) -> State:
     """Find the dead, let the first surviving member publish the next generation without
@@ -84,7 +87,7 @@ def recover(ctx: Context, state: State) -> State:
         holding = coord.holding()
         if all(holding.get(m, -1) >= current for m in alive_world):
             ctx.reformed_at = ctx.step
-            publish_next(ctx, reason="recover: a collective failed with every peer alive")
+            publish_next(ctx, reason=REFORMED)
             return replace(state, waiting=w)
     time.sleep(0.2)
     return replace(state, waiting=w)
