@@ -232,7 +232,7 @@ def jobs(partition: str) -> Iterator[list[str]]:
 #: the reference's steps: the longest run of these modules (test_slurm_ops); its first
 #: steps are those of a shorter run's reference (the learning-rate schedule does not
 #: depend on the run's length)
-REFERENCE_STEPS = 36
+REFERENCE_STEPS = 48
 
 
 def _train_reference(redis_url: str, out: Path) -> dict[int, float]:
