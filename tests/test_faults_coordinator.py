@@ -19,9 +19,6 @@ from etcslurm.local.launcher import LOSS_TOLERANCE
 from etcslurm.testing import fault_scenarios as fm
 from tests.test_faults import STEPS, _assert_completed, _kinds, _measured
 
-# a Redis outage is time spent waiting for it to answer again: beside the rest (sbin/test)
-pytestmark = pytest.mark.waits
-
 
 @pytest.mark.slow
 @pytest.mark.redis

@@ -113,7 +113,6 @@ def _listening_ports(pid: int) -> set[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.waits  # waits out several group timeouts
 def test_a_rendezvous_with_a_hung_peer_fails_within_the_bound_and_not_within_its_timeout():
     """Every rank stops once its address is published; the one gloo makes the initiator
     of all its pairs (the largest port as gloo compares them: in network byte order) stays
