@@ -27,6 +27,7 @@ from tests.helpers import job_state, sh
 from tests.test_slurm_elastic import (
     GLOBAL_BATCH,
     MODEL,
+    REFERENCE_STEPS,
     RUN_TIMEOUT,
     SEED,
     SLURM_TIMER,
@@ -44,8 +45,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.waits, pytest.mark.slow, pytest.mar
 # from 14-16 of its steps (a quiet 2-core host) to 32 (the same host running the rest of
 # the suite beside it: Slurm starts, preempts and requeues more slowly, the steps do not):
 # 48 leave room for that without a long tail after the last check (a check before the
-# drain names a run too short for it)
-STEPS = 48
+# drain names a run too short for it); the shared reference trains as many
+STEPS = REFERENCE_STEPS
 MAX_NODES = 3
 HIGH_SLEEP = 20  # seconds the high job holds the two preempted nodes
 

@@ -3,9 +3,9 @@
 Why these settings: migration must be exact to the bit and losses must be comparable
 across layouts, so the model is deterministic (dropout 0), uses megatron-core's local spec
 (no Transformer Engine/Apex needed, runs on CPU), ``use_cpu_initialization=True`` (the
-same initial weights for every TP split of one seed), and a vocabulary padded
-independently of TP (:func:`padded_vocab`), so every global tensor has the same shape in
-every layout whose TP divides 8.
+same initial weights for every TP split of one seed), and a vocabulary padded apart from
+TP (:func:`padded_vocab`): every global tensor has one shape in every layout whose TP
+divides 8.
 
 The architecture is the :class:`GPTSpec`'s, which ``megatron_state`` expands
 analytically: GPT-2 style (MHA, GELU, LayerNorm, learned positions, biases) or Llama
@@ -15,10 +15,9 @@ style (``num_query_groups``, ``gated_linear_unit=True`` + SiLU, ``normalization=
 ``bf16=True``, the whole module cast to bf16 as Megatron-LM's ``Float16Module`` does (the
 torch norms are created fp32 otherwise), fp32 main params in the optimizer.
 
-The optimizer is megatron's own (``get_megatron_optimizer``, Adam; plain or
-``use_distributed_optimizer=True``) behind megatron's DDP wrapper; its state is
-initialised at build time (:func:`etcslurm.megatron.adam_state.init_optimizer_state`)
-so a freshly built optimizer already has every tensor a migration writes into.
+The optimizer is megatron's own (``get_megatron_optimizer``, Adam, plain or distributed)
+behind megatron's DDP wrapper, its state initialised at build time (:mod:`.adam_state`):
+a freshly built optimizer already has every tensor a migration writes into.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from etcslurm.core.stages import uneven
 from etcslurm.errors import UsageError
 from etcslurm.megatron import cpu_shim
 from etcslurm.megatron.adam_state import init_optimizer_state
+from etcslurm.megatron.stale_graphs import watch
 
 OPTIMIZERS = ("adam", "distributed")
 #: TP sizes up to this share one padded vocabulary (megatron pads per TP otherwise,
@@ -122,9 +122,8 @@ def _marks_only() -> Iterator[None]:
 
 
 def padded_vocab(spec: GPTSpec, tp: int | None = None) -> int:
-    """The embedding's row count: a multiple of 128·8 = 1024, the same in every layout
-    whose TP divides 8; under TP ``tp`` padded further to a multiple of 128·tp (as
-    ``megatron_state.padded_vocab``), e.g. for TP 3."""
+    """The embedding's row count: a multiple of 1024 (the same for every TP dividing 8),
+    under TP ``tp`` padded on to a multiple of 128·tp (``megatron_state.padded_vocab``)."""
     rows = spec.padded_vocab(VOCAB_TP_MULTIPLE)
     if tp is not None:
         rows = -(-rows // (128 * tp)) * (128 * tp)
@@ -170,6 +169,9 @@ class Trainee:
     iteration: int = 0
     consumed_samples: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        watch(self.model)  # its last forward's graphs are cut at each group teardown
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.model, self.optimizer, self.scheduler))

@@ -31,6 +31,7 @@ from etcslurm.core.layout import ParallelConfig
 from etcslurm.errors import LayoutError
 from etcslurm.groups import lifecycle as groups
 from etcslurm.megatron import cpu_shim
+from etcslurm.megatron.stale_graphs import cut_watched
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +184,7 @@ def teardown() -> float:
     from megatron.core import parallel_state
 
     t0 = time.perf_counter()
+    cut_watched()  # else an MoE model of this world would keep its groups alive
     if dist.is_initialized():
         for group in megatron_groups():
             try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import os
 import sys
@@ -162,6 +163,7 @@ def scenario_rebuild(args: argparse.Namespace, store: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     from etcslurm.core.layout import ParallelConfig, valid_configs
+    from etcslurm.core.models import GPTSpec
     from etcslurm.megatron import adapter
 
     layouts = [ParallelConfig.parse(t) for t in args.to] or valid_configs(args.world)
@@ -179,16 +181,17 @@ def scenario_rebuild(args: argparse.Namespace, store: Any) -> dict[str, Any]:
         dist.all_reduce(probe, group=parallel_state.get_tensor_model_parallel_group())
         dist.all_reduce(probe, group=parallel_state.get_data_parallel_group())
         dist.all_reduce(probe)
-        rows.append(
-            {
-                "gen": gen,
-                "layout": str(cfg),
-                "rebuild_s": seconds,
-                "groups": len(adapter.megatron_groups()),
-                "probe": float(probe),
-                **_counts(),
-            }
-        )
+        row = {"gen": gen, "layout": str(cfg), "rebuild_s": seconds,
+               "groups": len(adapter.megatron_groups()), "probe": float(probe), **_counts()}
+        if args.train:  # a model of this world trains a step and is given up with it
+            trainee = adapter.build_gpt(GPTSpec.parse(args.spec), cfg, args.optimizer,
+                                        seed=args.seed)
+            row["loss"] = adapter.train_step(trainee)
+            del trainee
+            adapter.teardown()
+            gc.collect()
+            row["torn_down"] = _counts()
+        rows.append(row)
     teardown_s = adapter.teardown()
     return {"rows": rows, "teardown_s": teardown_s, "before": start, "after_teardown": _counts()}
 
@@ -276,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saves", type=int, default=1)
     parser.add_argument("--loads", type=int, default=1)
     parser.add_argument("--rebuilds", type=int, default=10)
+    parser.add_argument("--train", action="store_true",
+                        help="rebuild: train a step of --spec's model in each world")
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--sync-save", action="store_true", help="no persistent writer")
