@@ -92,9 +92,9 @@ def test_parallel_state_rebuild_does_not_leak(tmp_path) -> None:
 
 
 def test_moe_models_given_up_in_a_row_leak_no_process_groups(tmp_path) -> None:
-    """Six worlds in a row, each training a step of an MoE model with EP 2 (the all-gather
-    dispatcher; EP 2, PP 2, DP 2) that is then given up: after each teardown the
-    threads are back where they were.  megatron's dispatchers keep the last forward's
+    """Six worlds in a row (EP 2, PP 2 and DP 2 in turn), each training a step of an MoE
+    model (megatron's all-gather dispatcher) that is then given up: after each teardown
+    no more threads are alive than after the second.  megatron's dispatchers keep the last forward's
     tensors, whose graph holds the DDP wrapper through C++ (invisible to Python's garbage
     collector); unless etcslurm cuts it, every such model keeps its gloo groups (~3 OS
     threads each) for good."""
